@@ -1,0 +1,1301 @@
+"""Fast, exact rollouts for Qwen3 and Llama-3.2 on flex_attention with a paged KV cache.
+
+One token's path through this file, top to bottom:
+page table and KV cache -> block masks -> flex attention -> patched attention -> layer walker ->
+engine (scheduler, packed prefill, decode, CUDA graphs) -> LoRA double-copy and drift check -> CLI.
+
+Ideas taken from: PagedAttention (vLLM) for the paged KV cache; nano-vllm and flex-nano-vllm for
+the scheduler, the page table and turning a logical block mask into a physical one; attention-gym's
+paged-attention example; gpt-fast for CUDA-graph decode. The reference for every number this
+engine produces is Hugging Face transformers on the same weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import json
+import os
+import random
+import statistics
+import sys
+import time
+import warnings
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch._dynamo
+from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+# Built-in prompts: math word problems written for this project, so the demo needs no network.
+DEFAULT_PROMPTS = [
+    "A baker makes 14 loaves of bread each morning and sells 9 of them before noon. How many loaves are left at noon after 5 mornings if nothing is carried over?",
+    "Mia has 3 boxes with 12 pencils each. She gives 7 pencils to her brother. How many pencils does she have now?",
+    "A train travels 180 kilometres in 2 hours. At the same speed, how far does it travel in 5 hours?",
+    "Tom reads 15 pages a day. His book has 240 pages. How many days does he need to finish it?",
+    "A garden is 8 metres long and 5 metres wide. A path 1 metre wide runs around the outside. What is the area of the path?",
+    "Lena buys 4 notebooks at 2.50 dollars each and a pen for 1.75 dollars. She pays with a 20 dollar bill. How much change does she get?",
+    "The sum of three consecutive integers is 72. What is the largest of them?",
+    "A tank holds 500 litres. It is filled at 20 litres per minute and drains at 5 litres per minute. How long does it take to fill the empty tank?",
+    "Sam is twice as old as his sister. In 6 years the sum of their ages will be 42. How old is Sam now?",
+    "A shop sells apples at 3 for 1 dollar. How much do 27 apples cost?",
+    "A rectangle has a perimeter of 36 centimetres and its length is twice its width. What is its area?",
+    "Five workers build a wall in 12 days. How many days would 6 workers need at the same rate?",
+    "A class has 28 students. Three sevenths of them walk to school and the rest take the bus. How many take the bus?",
+    "A cyclist rides at 18 kilometres per hour for 40 minutes. How far does she ride?",
+    "The price of a jacket is 80 dollars. It is reduced by 25 percent, then the new price is raised by 10 percent. What is the final price?",
+    "A farmer has chickens and cows, 30 animals in all with 74 legs. How many cows does he have?",
+    "What is the smallest positive integer that leaves a remainder of 1 when divided by 2, 3, 4, 5 and 6?",
+    "A recipe needs 250 grams of flour for 10 cookies. How much flour is needed for 36 cookies?",
+    "Two numbers add up to 50 and differ by 12. What is their product?",
+    "A water bottle is one third full. After adding 200 millilitres it is three quarters full. What is its capacity?",
+    "Jon saves 15 dollars every week. He already has 45 dollars. After how many weeks will he have 300 dollars?",
+    "A square and an equilateral triangle have the same perimeter. The square has side 9. What is the side of the triangle?",
+    "A bus leaves every 12 minutes starting at 7:00. How many buses have left by 9:30, counting the one at 7:00?",
+    "The average of four numbers is 15. Three of them are 10, 12 and 20. What is the fourth?",
+]
+
+GRPO_SYSTEM_PROMPT = (
+    "You are given a problem. Think about the problem and provide your working out. "
+    "Place it between <start_working_out> and <end_working_out>. "
+    "Then, provide your solution between <SOLUTION></SOLUTION>."
+)
+
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+
+# NOTE: every distinct prefill length, head_dim and decode batch bucket is its own compiled
+# specialisation; the default limit of 8 would silently fall back to eager flex attention.
+torch._dynamo.config.recompile_limit = 256
+torch._dynamo.config.accumulated_recompile_limit = 4096
+
+
+# ---------------------------------------------------------------------------------------------
+# Page table and paged KV cache
+# ---------------------------------------------------------------------------------------------
+
+
+class PageTable:
+    """Maps each batch slot's logical KV blocks to physical pages of the shared KV pool.
+
+    Batch slot 0 and physical page 0 are reserved: padding rows of a decode batch point at slot 0,
+    whose every logical block maps to page 0, so their K/V writes land somewhere harmless.
+    All bookkeeping (free pages, free slots, each slot's capacity) lives on the CPU so that
+    scheduling never waits on the GPU; `flush()` mirrors the changes to the device in one copy.
+    """
+
+    def __init__(self, page_size: int, n_pages: int, max_batch_size: int, max_seq_length: int, device):
+        self.page_size = page_size
+        self.n_pages = n_pages
+        self.max_batch_size = max_batch_size  # batch slots including the reserved slot 0
+        self.max_logical_blocks = max_seq_length // page_size
+        self.device = torch.device(device)
+        # page_table[batch_idx, logical_block_idx] -> physical_page_idx
+        self.page_table_cpu = torch.zeros(max_batch_size, self.max_logical_blocks, dtype=torch.int32)
+        # physical_to_logical[batch_idx, physical_page_idx] -> logical_block_idx, or -1 if not owned
+        self.physical_to_logical_cpu = torch.full((max_batch_size, n_pages), -1, dtype=torch.int32)
+        self.physical_to_logical_cpu[0, 0] = 0
+        self.page_table = self.page_table_cpu.to(self.device)
+        self.physical_to_logical = self.physical_to_logical_cpu.to(self.device)
+        self.free_pages = deque(range(1, n_pages))
+        self.free_batch_idx = deque(range(1, max_batch_size))
+        self.capacity = [0] * max_batch_size  # tokens each slot can hold with its pages
+        self.pages_of = [[] for _ in range(max_batch_size)]  # physical pages owned, in logical order
+        self.is_dirty = False
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self.free_pages)
+
+    @property
+    def num_used_pages(self) -> int:
+        return sum(len(pages) for pages in self.pages_of)
+
+    def can_allocate(self) -> bool:
+        return len(self.free_batch_idx) > 0
+
+    def allocate(self) -> int:
+        """Takes a free batch slot (never slot 0); it owns no pages yet."""
+        return self.free_batch_idx.popleft()
+
+    def pages_needed(self, batch_idx: int | None, seq_len: int) -> int:
+        capacity = 0 if batch_idx is None else self.capacity[batch_idx]
+        if seq_len <= capacity:
+            return 0
+        return -(-(seq_len - capacity) // self.page_size)
+
+    def can_reserve(self, seq_len: int, batch_idx: int | None = None) -> bool:
+        """Whether slot `batch_idx` (None: a slot not yet allocated) could grow to `seq_len` tokens."""
+        return self.pages_needed(batch_idx, seq_len) <= len(self.free_pages)
+
+    def reserve(self, batch_idx: int, seq_len: int) -> None:
+        """Gives slot `batch_idx` enough pages for `seq_len` tokens."""
+        num_pages = self.pages_needed(batch_idx, seq_len)
+        if num_pages > len(self.free_pages):
+            raise RuntimeError(f"cannot reserve {num_pages} pages, only {len(self.free_pages)} are free")
+        for _ in range(num_pages):
+            physical_page_idx = self.free_pages.popleft()
+            logical_block_idx = len(self.pages_of[batch_idx])
+            self.page_table_cpu[batch_idx, logical_block_idx] = physical_page_idx
+            self.physical_to_logical_cpu[batch_idx, physical_page_idx] = logical_block_idx
+            self.pages_of[batch_idx].append(physical_page_idx)
+        self.capacity[batch_idx] += num_pages * self.page_size
+        self.is_dirty |= num_pages > 0
+
+    def erase(self, batch_idx: int) -> None:
+        """Returns slot `batch_idx` and all its pages to the free pools."""
+        for physical_page_idx in self.pages_of[batch_idx]:
+            self.physical_to_logical_cpu[batch_idx, physical_page_idx] = -1
+            self.free_pages.append(physical_page_idx)
+        self.pages_of[batch_idx] = []
+        self.page_table_cpu[batch_idx] = 0
+        self.capacity[batch_idx] = 0
+        self.free_batch_idx.append(batch_idx)
+        self.is_dirty = True
+
+    def flush(self) -> None:
+        """Copies the CPU bookkeeping to the device tables (in place: captured graphs read them)."""
+        if self.is_dirty:
+            self.page_table.copy_(self.page_table_cpu, non_blocking=True)
+            self.physical_to_logical.copy_(self.physical_to_logical_cpu, non_blocking=True)
+            self.is_dirty = False
+
+    def physical_slots(self, batch_idx: int, start: int, end: int) -> list[int]:
+        """Physical cache rows of logical positions [start, end) of slot `batch_idx`."""
+        pages = self.pages_of[batch_idx]
+        return [pages[pos // self.page_size] * self.page_size + pos % self.page_size for pos in range(start, end)]
+
+    def convert_logical_block_mask(self, logical_mask: BlockMask, batch_idx_B: torch.Tensor, mask_mod) -> BlockMask:
+        """Maps a per-row logical block mask ([B, 1, 1, max_logical_blocks]) to physical pages
+        ([B, 1, 1, n_pages], only the first kv_num_blocks of each row are read).
+
+        `mask_mod(b, h, q_idx, logical_kv_idx)` is wrapped so that it sees logical positions and
+        is False on every page the row's slot does not own: exact on its own, with or without the
+        block indices (eager flex on CPU applies only the mask_mod).
+        """
+        page_table_B = self.page_table[batch_idx_B].long()  # [B, max_logical_blocks]
+
+        def to_physical(logical_indices, num_blocks):
+            B = logical_indices.shape[0]
+            physical_BL = torch.gather(page_table_B, 1, logical_indices.view(B, -1).long()).to(torch.int32)
+            # NOTE: the kernel checks kv_indices covers the whole KV length (n_pages blocks).
+            physical_BP = nn.functional.pad(physical_BL, (0, self.n_pages - physical_BL.shape[1]))
+            return num_blocks, physical_BP.view(B, 1, 1, self.n_pages)
+
+        kv_num_blocks, kv_indices = to_physical(logical_mask.kv_indices, logical_mask.kv_num_blocks)
+        full_kv_num_blocks, full_kv_indices = to_physical(logical_mask.full_kv_indices, logical_mask.full_kv_num_blocks)
+        return BlockMask.from_kv_blocks(
+            kv_num_blocks,
+            kv_indices,
+            full_kv_num_blocks,
+            full_kv_indices,
+            BLOCK_SIZE=(logical_mask.BLOCK_SIZE[0], self.page_size),
+            mask_mod=self.physical_mask_mod(mask_mod, batch_idx_B),
+            seq_lengths=(1, self.n_pages * self.page_size),
+            compute_q_blocks=False,
+        )
+
+    def physical_mask_mod(self, logical_mask_mod, batch_idx_B: torch.Tensor):
+        page_size, physical_to_logical = self.page_size, self.physical_to_logical
+
+        def mask_mod(b, h, q_idx, physical_kv_idx):
+            logical_block_idx = physical_to_logical[batch_idx_B[b], physical_kv_idx // page_size]
+            logical_kv_idx = logical_block_idx * page_size + physical_kv_idx % page_size
+            return (logical_block_idx >= 0) & logical_mask_mod(b, h, q_idx, logical_kv_idx)
+
+        return mask_mod
+
+
+class PagedKVCache(nn.Module):
+    """One attention layer's K/V pool, shared by all sequences through the page table."""
+
+    def __init__(self, n_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype, device):
+        super().__init__()
+        shape = (1, num_kv_heads, n_pages * page_size, head_dim)
+        # k_cache, v_cache: [1, H_kv, n_pages * page_size, D]; row = physical_page * page_size + offset
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    @property
+    def bytes_per_token(self) -> int:
+        _, num_kv_heads, _, head_dim = self.k_cache.shape
+        return 2 * num_kv_heads * head_dim * self.k_cache.element_size()
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, physical_slots: torch.Tensor) -> None:
+        """k, v: [B, H_kv, S, D] with B * S == len(physical_slots) (packed prefill: B = 1; decode: S = 1)."""
+        B, H, S, D = k.shape
+        k_HND = k.transpose(0, 1).reshape(H, B * S, D)
+        v_HND = v.transpose(0, 1).reshape(H, B * S, D)
+        self.k_cache[0].index_copy_(1, physical_slots, k_HND)
+        self.v_cache[0].index_copy_(1, physical_slots, v_HND)
+
+
+# ---------------------------------------------------------------------------------------------
+# Block masks
+# ---------------------------------------------------------------------------------------------
+
+
+def causal_mask_mod(sliding_window: int | None = None):
+    """Logical causal mask (optionally windowed exactly as HF: kv > q - window)."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        is_visible = q_idx >= kv_idx
+        if sliding_window is not None:
+            is_visible = is_visible & (q_idx - kv_idx < sliding_window)
+        return is_visible
+
+    return mask_mod
+
+
+def document_causal_mask_mod(document_id_T: torch.Tensor, sliding_window: int | None = None):
+    """Packed prefill: every prompt sees only itself, causally (windowed if asked)."""
+    causal = causal_mask_mod(sliding_window)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (document_id_T[q_idx] == document_id_T[kv_idx]) & causal(b, h, q_idx, kv_idx)
+
+    return mask_mod
+
+
+def offset_mask_mod(mask_mod, input_pos_B: torch.Tensor):
+    """Decode: the single query token sits at logical position input_pos_B[b], not at q_idx = 0."""
+
+    def offset(b, h, q_idx, kv_idx):
+        return mask_mod(b, h, q_idx + input_pos_B[b], kv_idx)
+
+    return offset
+
+
+def slice_logical_block_mask(logical_mask: BlockMask, input_pos_B: torch.Tensor) -> BlockMask:
+    """Takes, for each decode row, the logical mask's row of blocks holding position input_pos_B[b]."""
+    q_block_B = (input_pos_B // logical_mask.BLOCK_SIZE[0]).long()
+    B = q_block_B.shape[0]
+
+    def rows(num_blocks, indices):
+        return num_blocks[0, 0, q_block_B].view(B, 1, 1), indices[0, 0, q_block_B].view(B, 1, 1, -1)
+
+    kv_num_blocks, kv_indices = rows(logical_mask.kv_num_blocks, logical_mask.kv_indices)
+    full_kv_num_blocks, full_kv_indices = rows(logical_mask.full_kv_num_blocks, logical_mask.full_kv_indices)
+    return BlockMask.from_kv_blocks(
+        kv_num_blocks,
+        kv_indices,
+        full_kv_num_blocks,
+        full_kv_indices,
+        BLOCK_SIZE=logical_mask.BLOCK_SIZE,
+        mask_mod=logical_mask.mask_mod,
+        seq_lengths=(1, logical_mask.seq_lengths[1]),
+        compute_q_blocks=False,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# flex_attention, kernel options, rotary
+# ---------------------------------------------------------------------------------------------
+
+# NOTE: compiled once for the whole process. FLEX_COMPILE_MODE picks another torch.compile mode
+# (e.g. "max-autotune-no-cudagraphs"); prefill lengths become dynamic after the second one seen.
+flex_attention_compiled = torch.compile(flex_attention, fullgraph=True, mode=os.environ.get("FLEX_COMPILE_MODE") or None)
+
+
+def default_kernel_options(is_prefill: bool, head_dim: int, device: torch.device) -> dict:
+    """Kernel options known to work on Hopper (H200, torch 2.11) per head_dim.
+
+    NOTE: at head_dim 512 the default tiles need 256 KB of shared memory (limit 227 KB), so
+    prefill uses 32x32 tiles; decode at 512 is limited the same way.
+    """
+    if device.type != "cuda" or head_dim <= 256:
+        return {}
+    if is_prefill:
+        return {"BLOCK_M": 32, "BLOCK_N": 32, "num_stages": 1}
+    return {"BLOCK_N": 32, "num_stages": 1}
+
+
+def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's rotate-half RoPE. x: [B, H, S, D]; cos, sin: [B, S, D] from the model's own rotary module."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def flash_prefill_supported(head_dim: int, device: torch.device) -> bool:
+    """Whether flex_attention's FLASH backend (flash-attn-4, CuTe DSL) can run this prefill."""
+    if device.type != "cuda" or importlib.util.find_spec("flash_attn") is None:
+        return False
+    major, _ = torch.cuda.get_device_capability(device)
+    # NOTE: FLASH cannot do head_dim 512 on Hopper.
+    return major in (9, 10) and head_dim <= 256
+
+
+@dataclass
+class FlexStep:
+    """Everything one forward pass through the layers needs from the engine.
+
+    Prefill packs all admitted prompts in one row ([1, H, T, D]) and attends over their fresh K/V;
+    decode has one token per row ([B, H, 1, D]) and attends over the paged cache.
+    """
+
+    is_prefill: bool
+    block_masks: dict  # attention regime -> BlockMask
+    physical_slots: torch.Tensor  # [B * S] cache row of every token
+    kv_caches: nn.ModuleList  # per layer; None for layers that own no cache
+    kernel_options: Callable[[bool, int], dict]
+    packed_kv: dict = field(default_factory=dict)  # prefill: cache layer -> fresh (k, v)
+
+    def attend(self, module, q, k, v, cache_layer_idx: int, regime: str = FULL_ATTENTION) -> torch.Tensor:
+        """Writes k/v (None: reuse layer `cache_layer_idx`'s) to the cache, then flex-attends.
+
+        q: [B, H, S, D]; k, v: [B, H_kv, S, D]; returns [B, H, S, D].
+        """
+        cache = self.kv_caches[cache_layer_idx]
+        if k is not None:
+            cache.write(k, v, self.physical_slots)
+            if self.is_prefill:
+                self.packed_kv[cache_layer_idx] = (k, v)
+        if self.is_prefill:
+            k, v = self.packed_kv[cache_layer_idx]
+        else:
+            k, v = cache.k_cache, cache.v_cache
+        head_dim = q.shape[-1]
+        # NOTE: the decode kernel wants a static batch size and every regime its own head_dim;
+        # without this, automatic dynamic shapes would make them symbolic after the second call.
+        for t in (q, k, v):
+            torch._dynamo.mark_static(t, 0)
+            torch._dynamo.mark_static(t, 1)
+            torch._dynamo.mark_static(t, 3)
+        return flex_attention_compiled(
+            q,
+            k,
+            v,
+            block_mask=self.block_masks[regime],
+            scale=module.scaling,
+            enable_gqa=q.shape[1] != k.shape[1],
+            kernel_options=self.kernel_options(self.is_prefill, head_dim),
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Patched attention and layer walker (Qwen3, Llama)
+# ---------------------------------------------------------------------------------------------
+
+
+def qwen3_llama_attention_forward(self, hidden_states, position_embeddings, attention_mask=None, flex_step=None, **kwargs):
+    """Replaces Qwen3Attention/LlamaAttention.forward: project, norm (Qwen3), RoPE, paged flex attention."""
+    input_shape = hidden_states.shape[:-1]  # [B, S]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+    q = self.q_proj(hidden_states).view(hidden_shape)
+    k = self.k_proj(hidden_states).view(hidden_shape)
+    v = self.v_proj(hidden_states).view(hidden_shape)
+    if hasattr(self, "q_norm"):  # Qwen3 normalises each head; Llama does not
+        q, k = self.q_norm(q), self.k_norm(k)
+    cos, sin = position_embeddings
+    q = _apply_rotary(q.transpose(1, 2), cos, sin)  # [B, H, S, D]
+    k = _apply_rotary(k.transpose(1, 2), cos, sin)  # [B, H_kv, S, D]
+    attn_output = flex_step.attend(self, q, k, v.transpose(1, 2), self.layer_idx)
+    attn_output = attn_output.transpose(1, 2).reshape(*input_shape, -1)
+    return self.o_proj(attn_output), None
+
+
+def unwrap_causal_lm(model: nn.Module) -> nn.Module:
+    """The HF *ForCausalLM inside a PEFT wrapper (or the model itself)."""
+    get_base_model = getattr(model, "get_base_model", None)
+    return get_base_model() if callable(get_base_model) else model
+
+
+# ---------------------------------------------------------------------------------------------
+# Engine
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Sequence:
+    """One prompt and its completion. `input_ids`, when given, is used as is (no tokenizer needed)."""
+
+    text: str | None = None
+    input_ids: list[int] | None = None
+    max_new_tokens: int | None = None
+    output_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" (an end id) or "length"
+    record_logits: bool = False  # keep each generated token's logits (tests, analysis)
+    output_logits: list = field(default_factory=list)
+    batch_idx: int = -1  # slot in the page table while running, -1 otherwise
+    num_preemptions: int = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
+
+
+def sequences_last_positions(sequences: list[Sequence]) -> list[int]:
+    """Index of each sequence's last token in the packed prefill row."""
+    ends, total = [], 0
+    for seq in sequences:
+        total += seq.seq_len
+        ends.append(total - 1)
+    return ends
+
+
+def batch_buckets(max_batch_size: int) -> list[int]:
+    """1, 2, 4, ... up to max_batch_size (always included)."""
+    buckets, size = [], 1
+    while size < max_batch_size:
+        buckets.append(size)
+        size *= 2
+    return buckets + [max_batch_size]
+
+
+class FlexInference:
+    """Continuous-batching greedy generation with a paged KV cache and flex attention.
+
+    `model` is a Hugging Face Qwen3/Llama causal LM (optionally inside a PEFT wrapper) on CUDA or CPU.
+    With `peft_model`, the adapter's LoRA deltas are merged into `model`'s target weights from a
+    pristine copy (`refresh_lora()` after every optimizer step); `base_model`, if given, holds those
+    pristine weights already (e.g. a trainer's frozen base) so nothing is copied.
+    """
+
+    max_prefill_tokens = 8192  # tokens packed into one prefill row (at least max_seq_length)
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer=None,
+        max_batch_size: int = 32,
+        max_seq_length: int = 2048,
+        n_pages: int = 2048,
+        page_size: int = 128,
+        max_new_tokens: int = 512,
+        decode_kernel_options: dict | None = None,
+        prefill_kernel_options: dict | None = None,
+        fa4_prefill: bool | None = None,
+        base_model: nn.Module | None = None,
+        peft_model: nn.Module | None = None,
+    ):
+        check_engine_limits(max_batch_size, max_seq_length, n_pages, page_size, max_new_tokens)
+        self.model = model
+        self.causal_lm = unwrap_causal_lm(model)
+        self.decoder = self.causal_lm.model
+        self.config = self.causal_lm.config
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        self.max_seq_length = max_seq_length
+        self.page_size = page_size
+        self.max_new_tokens = max_new_tokens
+        self.max_prefill_tokens = max(self.max_prefill_tokens, max_seq_length)
+        first_param = next(self.causal_lm.parameters())
+        self.device = first_param.device
+        self.dtype = self.decoder.embed_tokens.weight.dtype
+        self.user_kernel_options = {True: prefill_kernel_options or {}, False: decode_kernel_options or {}}
+        self.end_ids = end_token_ids(self.causal_lm, tokenizer)
+
+        self.page_table = PageTable(page_size, n_pages, max_batch_size + 1, max_seq_length, self.device)
+        self.kv_caches = self._build_kv_caches()
+        self.attention_regimes = self._attention_regimes()
+        self.fa4_prefill = self._resolve_fa4_prefill(fa4_prefill)
+        self._patch_model()
+        # One logical causal mask per regime, built once; each decode step slices its rows.
+        self.logical_decode_masks = {
+            regime: create_block_mask(
+                causal_mask_mod(window), None, None, max_seq_length, max_seq_length, device=self.device, BLOCK_SIZE=page_size
+            )
+            for regime, window in self.attention_regimes.items()
+        }
+        # Static decode inputs (CUDA graphs read them in place): rows 0..B-1 of each.
+        self.static_step_inputs = torch.zeros(3, max_batch_size, dtype=torch.long, device=self.device)
+        self.cuda_graphs: dict[int, tuple] = {}
+        self.graph_pool = None
+        self.timings: dict[str, float] = {}
+
+        self.peft_model = peft_model
+        self.lora_targets: dict[str, torch.Tensor] = {}
+        self.pristine_lora_weights: dict[str, torch.Tensor] = {}
+        if peft_model is not None:
+            self.lora_targets = lora_target_weights(self.causal_lm, peft_model)
+            self.pristine_lora_weights = snapshot_pristine_lora_weights(self.lora_targets, base_model)
+            self.refresh_lora()
+
+    # --- model-specific hooks (gemma4_flex_inference.py overrides these) -------------------
+
+    def _attention_layers(self):
+        return [layer.self_attn for layer in self.decoder.layers]
+
+    def _attention_regimes(self) -> dict[str, int | None]:
+        """Attention regime -> sliding window (None: full causal)."""
+        window = getattr(self.config, "sliding_window", None)
+        layer_types = getattr(self.config, "layer_types", None) or [FULL_ATTENTION]
+        return {t: (window if t == SLIDING_ATTENTION else None) for t in set(layer_types)}
+
+    def _build_kv_caches(self) -> nn.ModuleList:
+        n_kv_heads = self.config.num_key_value_heads
+        return nn.ModuleList(
+            PagedKVCache(self.page_table.n_pages, self.page_size, n_kv_heads, attn.head_dim, self.dtype, self.device)
+            for attn in self._attention_layers()
+        )
+
+    def _patch_model(self) -> None:
+        if any(t != FULL_ATTENTION for t in self.attention_regimes):
+            raise SystemExit("this checkpoint has sliding-window layers, which the Qwen3/Llama walker does not run")
+        for attn in self._attention_layers():
+            attn.forward = qwen3_llama_attention_forward.__get__(attn)
+
+    def _forward_hidden(self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor, step: FlexStep) -> torch.Tensor:
+        """Walks the decoder layers. Returns the final-normed hidden states [B, S, hidden]."""
+        hidden_BSE = self.decoder.embed_tokens(input_ids_BS)
+        position_embeddings = self.decoder.rotary_emb(hidden_BSE, position_ids_BS)
+        for layer in self.decoder.layers:
+            hidden_BSE = layer(hidden_BSE, position_embeddings=position_embeddings, attention_mask=None, flex_step=step)
+        return self.decoder.norm(hidden_BSE)
+
+    def _logits(self, hidden_NE: torch.Tensor) -> torch.Tensor:
+        return self.causal_lm.lm_head(hidden_NE).float()
+
+    # --- kernel options --------------------------------------------------------------------
+
+    def _resolve_fa4_prefill(self, fa4_prefill: bool | None) -> bool:
+        head_dims = {cache.k_cache.shape[-1] for cache in self.kv_caches if cache is not None}
+        is_supported = all(flash_prefill_supported(d, self.device) for d in head_dims)
+        if fa4_prefill and not is_supported:
+            warnings.warn("--fa4_prefill asked for, but flex_attention's FLASH backend cannot run here; using Triton")
+        return bool(is_supported if fa4_prefill is None else fa4_prefill and is_supported)
+
+    def kernel_options(self, is_prefill: bool, head_dim: int) -> dict:
+        options = default_kernel_options(is_prefill, head_dim, self.device)
+        if is_prefill and self.fa4_prefill:
+            options = {"BACKEND": "FLASH"}
+        return {**options, **self.user_kernel_options[is_prefill]}
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return sum(cache.bytes_per_token for cache in self.kv_caches if cache is not None)
+
+    # --- prefill ----------------------------------------------------------------------------
+
+    def _pack(self, sequences: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, FlexStep]:
+        """Packs all `sequences` (already holding pages) into one prefill row.
+
+        Returns input_ids [1, T], position_ids [1, T] and the FlexStep; T is padded to a multiple
+        of 128 so lengths reuse compiled kernels. Padding is a document of its own and writes into
+        the reserved page 0.
+        """
+        token_ids, position_ids, document_ids, physical_slots = [], [], [], []
+        for doc_idx, seq in enumerate(sequences):
+            ids = seq.token_ids
+            token_ids += ids
+            position_ids += range(len(ids))
+            document_ids += [doc_idx] * len(ids)
+            physical_slots += self.page_table.physical_slots(seq.batch_idx, 0, len(ids))
+        num_padding = -len(token_ids) % 128
+        token_ids += [0] * num_padding
+        position_ids += [0] * num_padding
+        document_ids += [len(sequences)] * num_padding
+        physical_slots += [0] * num_padding
+        T = len(token_ids)
+        # One host->device copy for all step inputs.
+        inputs_4T = torch.tensor([token_ids, position_ids, document_ids, physical_slots], dtype=torch.long)
+        inputs_4T = inputs_4T.to(self.device, non_blocking=True)
+        document_id_T = inputs_4T[2]
+        block_masks = {
+            regime: create_block_mask(document_causal_mask_mod(document_id_T, window), None, None, T, T, device=self.device)
+            for regime, window in self.attention_regimes.items()
+        }
+        self.page_table.flush()
+        step = FlexStep(True, block_masks, inputs_4T[3], self.kv_caches, self.kernel_options)
+        return inputs_4T[0:1], inputs_4T[1:2], step
+
+    def _prefill(self, sequences: list[Sequence]) -> tuple[list[int], torch.Tensor]:
+        """Runs the admitted `sequences` in one packed row; returns each one's next token and the
+        logits at its last position [N, V]."""
+        input_ids_1T, position_ids_1T, step = self._pack(sequences)
+        last_positions = torch.tensor(sequences_last_positions(sequences), device=self.device)
+        hidden_1NE = self._prefill_hidden(input_ids_1T, position_ids_1T, step, last_positions)
+        logits_NV = self._logits(hidden_1NE[0])
+        return logits_NV.argmax(-1).tolist(), logits_NV  # the one device->host sync of this prefill
+
+    def _prefill_hidden(self, input_ids_1T, position_ids_1T, step: FlexStep, last_positions_N) -> torch.Tensor:
+        """Hidden states [1, N, hidden] at each sequence's last position."""
+        return self._forward_hidden(input_ids_1T, position_ids_1T, step)[:, last_positions_N]
+
+    @torch.inference_mode()
+    def score(self, token_ids: list[list[int]]) -> list[torch.Tensor]:
+        """Teacher-forced logits [len, V] (float32, CPU) for each token list, from one packed prefill."""
+        sequences = [Sequence(input_ids=list(ids)) for ids in token_ids]
+        for seq in sequences:
+            self._admit(seq)
+        try:
+            hidden_1TE = self._forward_hidden(*self._pack(sequences))
+            logits_TV = self._logits(hidden_1TE[0]).cpu()
+        finally:
+            for seq in sequences:
+                self._release(seq)
+        starts = [0] + [p + 1 for p in sequences_last_positions(sequences)]
+        return [logits_TV[start : start + len(ids)] for start, ids in zip(starts, token_ids)]
+
+    # --- decode -----------------------------------------------------------------------------
+
+    def _decode_step(self, input_ids_B, input_pos_B, batch_idx_B) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token for every row: tensor ops only (no host sync), so it can be graph-captured.
+
+        Returns (next_ids [B], logits [B, V]).
+        """
+        block_masks = {}
+        for regime, logical_mask in self.logical_decode_masks.items():
+            logical_rows = slice_logical_block_mask(logical_mask, input_pos_B)
+            mask_mod = offset_mask_mod(logical_mask.mask_mod, input_pos_B)
+            block_masks[regime] = self.page_table.convert_logical_block_mask(logical_rows, batch_idx_B, mask_mod)
+        # page_table[batch_idx, logical_block] -> physical_page; cache row = page * page_size + offset
+        page_B = self.page_table.page_table[batch_idx_B, input_pos_B // self.page_size].long()
+        physical_slots_B = page_B * self.page_size + input_pos_B % self.page_size
+        step = FlexStep(False, block_masks, physical_slots_B, self.kv_caches, self.kernel_options)
+        hidden_B1E = self._forward_hidden(input_ids_B[:, None], input_pos_B[:, None], step)
+        logits_BV = self._logits(hidden_B1E[:, -1])
+        return logits_BV.argmax(-1), logits_BV
+
+    def _run_decode(self, running: list[Sequence], use_graph: bool) -> tuple[list[int], torch.Tensor]:
+        B = len(running)
+        # Eager decode pads to the same buckets as the graphs: one compiled kernel per bucket.
+        bucket = next(b for b in batch_buckets(self.max_batch_size) if b >= B)
+        # Rows: last token, its position, batch slot; padding rows aim at the reserved slot 0.
+        step_inputs = torch.zeros(3, bucket, dtype=torch.long)
+        step_inputs[0, :B] = torch.tensor([seq.token_ids[-1] for seq in running])
+        step_inputs[1, :B] = torch.tensor([seq.seq_len - 1 for seq in running])
+        step_inputs[2, :B] = torch.tensor([seq.batch_idx for seq in running])
+        self.page_table.flush()
+        static = self.static_step_inputs[:, :bucket]
+        static.copy_(step_inputs, non_blocking=True)
+        if use_graph:
+            graph, next_ids, logits = self.cuda_graphs[bucket]
+            graph.replay()
+        else:
+            next_ids, logits = self._decode_step(static[0], static[1], static[2])
+        return next_ids[:B].tolist(), logits[:B]  # the one device->host sync per decode step
+
+    def capture_cuda_graphs(self) -> None:
+        """One graph per batch bucket, largest first, all in one memory pool."""
+        if self.device.type != "cuda":
+            raise SystemExit("--capture_cudagraph needs a CUDA device")
+        if self.cuda_graphs:
+            return
+        start = time.perf_counter()
+        self.page_table.flush()
+        for bucket in reversed(batch_buckets(self.max_batch_size)):
+            static = self.static_step_inputs[:, :bucket]
+            static.zero_()  # every row a padding row: slot 0, page 0
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # eager warm-up compiles this bucket's kernels
+                self._decode_step(static[0], static[1], static[2])
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.graph_pool):
+                next_ids, logits = self._decode_step(static[0], static[1], static[2])
+            self.graph_pool = graph.pool()
+            self.cuda_graphs[bucket] = (graph, next_ids, logits)
+        torch.cuda.synchronize()
+        self.timings["capture_s"] = time.perf_counter() - start
+
+    # --- scheduler --------------------------------------------------------------------------
+
+    def _admit(self, seq: Sequence) -> None:
+        seq.batch_idx = self.page_table.allocate()
+        self.page_table.reserve(seq.batch_idx, seq.seq_len)
+
+    def _release(self, seq: Sequence) -> None:
+        self.page_table.erase(seq.batch_idx)
+        seq.batch_idx = -1
+
+    def _append(self, seq: Sequence, token: int, logits_V: torch.Tensor) -> None:
+        seq.output_ids.append(token)
+        if seq.record_logits:
+            seq.output_logits.append(logits_V.detach().float().cpu())
+        if token in self.end_ids:
+            seq.finished, seq.finish_reason = True, "stop"
+        elif len(seq.output_ids) >= seq.max_new_tokens or seq.seq_len >= self.max_seq_length:
+            seq.finished, seq.finish_reason = True, "length"
+
+    def _prepare(self, sequences: list[Sequence]) -> None:
+        for seq in sequences:
+            if seq.input_ids is None:
+                if seq.text is None:
+                    raise ValueError("a Sequence needs text or input_ids")
+                if self.tokenizer is None:
+                    raise ValueError("a Sequence without input_ids needs a tokenizer")
+                seq.input_ids = self.tokenizer(seq.text, add_special_tokens=False)["input_ids"]
+            seq.input_ids = list(seq.input_ids)
+            if not seq.input_ids:
+                raise ValueError("a prompt has no tokens")
+            if len(seq.input_ids) >= self.max_seq_length:
+                raise ValueError(
+                    f"a prompt has {len(seq.input_ids)} tokens, max_seq_length is {self.max_seq_length}: "
+                    "shorten it or raise --max_seq_length"
+                )
+            if seq.max_new_tokens is None:
+                seq.max_new_tokens = self.max_new_tokens
+            if seq.max_new_tokens < 1:
+                raise ValueError(f"max_new_tokens must be at least 1, got {seq.max_new_tokens}")
+            seq.output_ids, seq.output_logits, seq.finished, seq.finish_reason = [], [], False, None
+
+    @torch.inference_mode()
+    def generate(self, sequences: list[Sequence], capture_cudagraph: bool = False, progress: bool = False) -> list[Sequence]:
+        """Greedy-decodes every sequence to an end id or its max_new_tokens; returns them in input order."""
+        self._prepare(sequences)
+        if capture_cudagraph:
+            self.capture_cuda_graphs()
+        waiting: deque[Sequence] = deque(sequences)
+        running: list[Sequence] = []  # in admission order: the last one is preempted first
+        bar = _progress_bar(sum(s.max_new_tokens for s in sequences), progress)
+        num_prefill_tokens = num_decode_tokens = 0
+        prefill_s = decode_s = 0.0
+        while waiting or running:
+            admitted, admitted_tokens = [], 0
+            while (
+                waiting
+                and self.page_table.can_allocate()
+                and self.page_table.can_reserve(waiting[0].seq_len)
+                and admitted_tokens + waiting[0].seq_len <= self.max_prefill_tokens
+            ):
+                seq = waiting.popleft()
+                self._admit(seq)
+                admitted.append(seq)
+                admitted_tokens += seq.seq_len
+            if admitted:
+                start = time.perf_counter()
+                next_ids, logits = self._prefill(admitted)
+                prefill_s += time.perf_counter() - start
+                num_prefill_tokens += admitted_tokens
+                for i, seq in enumerate(admitted):
+                    self._append(seq, next_ids[i], logits[i])
+                running += admitted
+                bar.update(len(admitted))
+            running = self._retire(running)
+            if not running:
+                continue
+            running = self._reserve_or_preempt(running, waiting)
+            start = time.perf_counter()
+            next_ids, logits = self._run_decode(running, capture_cudagraph)
+            decode_s += time.perf_counter() - start
+            num_decode_tokens += len(running)
+            for i, seq in enumerate(running):
+                self._append(seq, next_ids[i], logits[i])
+            bar.update(len(running))
+            running = self._retire(running)
+            bar.set_postfix_str(
+                f"prefill {num_prefill_tokens / max(prefill_s, 1e-9):.0f} tok/s, "
+                f"decode {num_decode_tokens / max(decode_s, 1e-9):.0f} tok/s"
+            )
+        bar.close()
+        self.timings.update(prefill_s=prefill_s, decode_s=decode_s, num_prefill_tokens=num_prefill_tokens, num_decode_tokens=num_decode_tokens)
+        return sequences
+
+    def _retire(self, running: list[Sequence]) -> list[Sequence]:
+        still_running = []
+        for seq in running:
+            if seq.finished:
+                self._release(seq)
+            else:
+                still_running.append(seq)
+        return still_running
+
+    def _reserve_or_preempt(self, running: list[Sequence], waiting: deque) -> list[Sequence]:
+        """Gives every running sequence room for its next token; when the pool runs dry, the newest
+        sequence is preempted (its pages freed) and recomputed from its tokens later."""
+        i = 0
+        while i < len(running):
+            seq = running[i]
+            # The next step writes the K/V of the last token, at position seq_len - 1.
+            if self.page_table.can_reserve(seq.seq_len, seq.batch_idx):
+                self.page_table.reserve(seq.batch_idx, seq.seq_len)
+                i += 1
+                continue
+            victim = running.pop()
+            self._release(victim)
+            victim.num_preemptions += 1
+            waiting.appendleft(victim)
+        return running
+
+    # --- LoRA -------------------------------------------------------------------------------
+
+    def refresh_lora(self) -> None:
+        """Re-merges the PEFT model's current adapter into the inference weights (in place)."""
+        refresh_lora_merge_from_pristine(self.lora_targets, self.pristine_lora_weights, self.peft_model)
+
+
+def _progress_bar(total: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, disable=not enabled, unit="tok", dynamic_ncols=True, leave=False)
+
+
+def end_token_ids(causal_lm: nn.Module, tokenizer) -> set[int]:
+    """Every end id the model uses: generation config, model config and tokenizer."""
+    end_ids: set[int] = set()
+    for source in (getattr(causal_lm, "generation_config", None), causal_lm.config):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if value is not None:
+            end_ids |= set(value) if isinstance(value, (list, tuple)) else {value}
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        end_ids.add(tokenizer.eos_token_id)
+    return end_ids
+
+
+def check_engine_limits(max_batch_size, max_seq_length, n_pages, page_size, max_new_tokens) -> None:
+    """Bad sizes fail here with one sentence, before anything is allocated."""
+    if max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
+    if page_size < 16 or page_size & (page_size - 1):
+        raise ValueError(f"page_size must be a power of two of at least 16, got {page_size}")
+    if max_seq_length % page_size:
+        raise ValueError(f"max_seq_length ({max_seq_length}) must be a multiple of page_size ({page_size})")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if (n_pages - 1) * page_size < max_seq_length:
+        raise ValueError(
+            f"the page pool ({n_pages} pages of {page_size}, one reserved) cannot hold even one sequence of "
+            f"max_seq_length {max_seq_length}: raise --n_pages to at least {max_seq_length // page_size + 1}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# LoRA double-copy and drift verification
+# ---------------------------------------------------------------------------------------------
+# The inference weights of every LoRA target are always rebuilt as pristine + delta from a
+# pristine copy kept beside them, never by PEFT's merge/unmerge: in bf16, W + d - d != W, so a
+# merge/unmerge cycle per training step drifts the base weights further every step.
+
+
+def lora_layers(peft_model: nn.Module) -> dict[str, nn.Module]:
+    """PEFT LoRA layers by the name of the module they adapt (PEFT's prefixes stripped)."""
+    layers = {}
+    for name, module in peft_model.named_modules():
+        if hasattr(module, "lora_A") and hasattr(module, "base_layer") and len(module.lora_A) > 0:
+            if getattr(module, "use_dora", {}) and any(module.use_dora.values()):
+                raise SystemExit("DoRA adapters are not supported by the LoRA double-copy")
+            layers[name.removeprefix("base_model.model.")] = module
+    return layers
+
+
+def lora_target_weights(causal_lm: nn.Module, peft_model: nn.Module) -> dict[str, torch.Tensor]:
+    """The inference model's weight tensor for every module the adapter targets."""
+    modules = dict(causal_lm.named_modules())
+    targets = {}
+    for name in lora_layers(peft_model):
+        module = modules.get(name)
+        if module is None:
+            raise SystemExit(f"the adapter targets {name}, which the inference model does not have")
+        targets[name] = getattr(module, "base_layer", module).weight
+    return targets
+
+
+def snapshot_pristine_lora_weights(targets: dict[str, torch.Tensor], base_model: nn.Module | None = None) -> dict:
+    """Pristine copies of the LoRA-target weights only (views of `base_model`'s when it is given)."""
+    if base_model is None:
+        return {name: weight.detach().clone() for name, weight in targets.items()}
+    modules = dict(unwrap_causal_lm(base_model).named_modules())
+    pristine = {}
+    for name in targets:
+        module = modules[name]
+        pristine[name] = getattr(module, "base_layer", module).weight.detach()
+    return pristine
+
+
+@torch.no_grad()
+def refresh_lora_merge_from_pristine(targets: dict, pristine: dict, peft_model: nn.Module, adapter_name: str | None = None) -> None:
+    """Writes pristine + scaling * B @ A (computed in float32, rounded once) into each target in place.
+
+    In place keeps the same storage, so captured CUDA graphs stay valid. PEFT's layers are marked
+    merged so that, if `peft_model` wraps the inference model itself, its forward skips the adapter.
+    """
+    for name, layer in lora_layers(peft_model).items():
+        adapter = adapter_name or layer.active_adapters[0]
+        weight_A = layer.lora_A[adapter].weight.float()
+        weight_B = layer.lora_B[adapter].weight.float()
+        delta = (weight_B @ weight_A) * layer.scaling[adapter]
+        if layer.fan_in_fan_out:
+            delta = delta.T
+        target = targets[name]
+        merged = pristine[name].to(device=target.device, dtype=torch.float32) + delta.to(target.device)
+        target.copy_(merged.to(target.dtype))
+        if target is layer.base_layer.weight:
+            layer.merged_adapters = [adapter]
+
+
+def sha256_of(tensors: dict[str, torch.Tensor]) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        digest.update(name.encode())
+        digest.update(tensors[name].detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+@torch.no_grad()
+def run_drift_verification(targets: dict, pristine: dict, peft_model: nn.Module, iterations: int = 5, seed: int = 0) -> dict:
+    """Perturbs the LoRA weights `iterations` times, refreshing each time; then restores the first
+    adapter. Passes when the pristine weights never changed and the restored merge is bit-equal
+    to the first one."""
+    generator = torch.Generator().manual_seed(seed)
+    layers = lora_layers(peft_model)
+    lora_params = {
+        f"{name}.{part}": getattr(layer, part)[layer.active_adapters[0]].weight
+        for name, layer in layers.items()
+        for part in ("lora_A", "lora_B")
+    }
+    first_adapter = {name: p.detach().clone() for name, p in lora_params.items()}
+    pristine_before = sha256_of(pristine)
+    refresh_lora_merge_from_pristine(targets, pristine, peft_model)
+    merged_first = sha256_of(targets)
+    merged_per_iteration = []
+    for _ in range(iterations):
+        for p in lora_params.values():
+            noise = torch.randn(p.shape, generator=generator) * (p.float().std().item() + 1e-3)
+            p.add_(noise.to(device=p.device, dtype=p.dtype))
+        refresh_lora_merge_from_pristine(targets, pristine, peft_model)
+        merged_per_iteration.append(sha256_of(targets))
+    for name, p in lora_params.items():
+        p.copy_(first_adapter[name])
+    refresh_lora_merge_from_pristine(targets, pristine, peft_model)
+    merged_restored = sha256_of(targets)
+    pristine_after = sha256_of(pristine)
+    result = {
+        "iterations": iterations,
+        "pristine_sha256_before": pristine_before,
+        "pristine_sha256_after": pristine_after,
+        "merged_sha256_first": merged_first,
+        "merged_sha256_restored": merged_restored,
+        "merged_sha256_per_iteration": merged_per_iteration,
+        "pristine_unchanged": pristine_before == pristine_after,
+        "restored_matches_first": merged_first == merged_restored,
+        "adapter_changed_merge": all(h != merged_first for h in merged_per_iteration),
+    }
+    result["passed"] = result["pristine_unchanged"] and result["restored_matches_first"] and result["adapter_changed_merge"]
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------
+
+PRESETS_DIR = Path(__file__).resolve().parent / "scripts" / "presets"
+
+
+def build_arg_parser(default_model_name: str, description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model_name", default=default_model_name, help="Hugging Face hub id or local checkpoint folder")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="where to run (auto: CUDA if available)")
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto", help="weight and activation dtype (auto: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--n_prompts", type=int, default=8, help="number of prompts per round (cycles through the prompt list)")
+    p.add_argument("--n_rounds", type=int, default=2, help="generation rounds; the first includes compilation")
+    p.add_argument("--max_new_tokens", type=int, default=256, help="new tokens per prompt at most")
+    p.add_argument("--max_batch_size", type=int, default=32, help="sequences decoded together at most")
+    p.add_argument("--max_seq_length", type=int, default=2048, help="prompt + completion tokens per sequence at most (a multiple of page_size)")
+    p.add_argument("--n_pages", type=int, default=2048, help="pages in the KV pool (page 0 is reserved)")
+    p.add_argument("--page_size", type=int, default=128, help="tokens per KV page")
+    p.add_argument("--capture_cudagraph", action="store_true", help="decode through CUDA graphs, one per batch bucket")
+    p.add_argument("--lora_adapter", default=None, help="PEFT LoRA adapter folder, merged with the double-copy refresh")
+    p.add_argument("--no_merge_lora", action="store_true", help="keep the PEFT wrapper unmerged (adapter computed every forward)")
+    p.add_argument("--load_in_4bit", action="store_true", help="quantise to bitsandbytes NF4 while loading (CUDA only)")
+    p.add_argument("--verify_no_drift", action="store_true", help="run the LoRA drift verification before generating")
+    p.add_argument("--verify_iterations", type=int, default=5, help="adapter perturbations in the drift verification")
+    p.add_argument("--stats_path", default=None, help="write run statistics as JSON here")
+    p.add_argument("--chat_template", choices=["auto", "grpo", "native"], default="auto", help="grpo: system prompt asking for reasoning then a marked solution; native: the tokenizer's own template")
+    p.add_argument("--fa4_prefill", action=argparse.BooleanOptionalAction, default=None, help="prefill with flex_attention's FLASH backend (default: only where it is supported)")
+    p.add_argument("--decode_kernel_options", default=None, help="JSON dict of flex_attention kernel options for decode, overriding the defaults")
+    p.add_argument("--prefill_kernel_options", default=None, help="JSON dict of flex_attention kernel options for prefill, overriding the defaults")
+    p.add_argument("--prompts_file", default=None, help="prompts as JSONL (prompt/text/messages per line) or one prompt per line")
+    p.add_argument("--load_format", choices=["auto", "dummy"], default="auto", help="dummy: random weights built from the config alone (benchmarks)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (dummy weights, drift perturbations)")
+    p.add_argument("--trust_remote_code", action="store_true", help="allow code shipped inside the checkpoint to run")
+    p.add_argument("--allow_pickle_weights", action="store_true", help="allow pickled .bin weights (can run code); safetensors otherwise")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def parse_json_dict(text: str | None, flag: str) -> dict | None:
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise SystemExit(f"{flag} is not valid JSON ({error.msg}): pass a JSON object such as '{{\"BLOCK_N\": 32}}'")
+    if not isinstance(value, dict):
+        raise SystemExit(f"{flag} must be a JSON object such as '{{\"BLOCK_N\": 32}}'")
+    return value
+
+
+def resolve_device_and_dtype(args) -> tuple[torch.device, torch.dtype]:
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda asked for, but no CUDA device is available")
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else args.device if args.device != "auto" else "cpu")
+    dtype_name = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    return device, getattr(torch, dtype_name)
+
+
+def check_model_path(model_name: str) -> None:
+    """A local-looking path that does not exist fails here rather than as a hub lookup."""
+    looks_local = model_name.startswith((".", "/", "~")) or model_name.count("/") != 1
+    if looks_local and not os.path.exists(os.path.expanduser(model_name)):
+        raise SystemExit(f"model path {model_name} does not exist: pass a checkpoint folder or a hub id")
+
+
+def preset_config_path(model_name: str) -> Path | None:
+    path = PRESETS_DIR / (model_name.replace("/", "__") + ".json")
+    return path if path.exists() else None
+
+
+def load_config(model_name: str, trust_remote_code: bool):
+    from transformers import AutoConfig
+
+    preset = preset_config_path(model_name)
+    if preset is not None and not os.path.isdir(model_name):  # shipped preset: no download needed
+        return AutoConfig.for_model(**json.loads(preset.read_text()))
+    try:
+        return AutoConfig.from_pretrained(model_name, trust_remote_code=trust_remote_code)
+    except OSError as error:
+        raise SystemExit(f"could not read the config of {model_name}: {str(error).splitlines()[0]}")
+
+
+def load_tokenizer(model_name: str, trust_remote_code: bool, required: bool):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_name, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        if required:
+            raise SystemExit(f"could not load the tokenizer of {model_name}: {str(error).splitlines()[0]}")
+        return None
+
+
+def load_causal_lm(args, device, dtype, model_class=None, config_hook=None):
+    """Loads (or, with --load_format dummy, builds with random weights) a causal LM on `device`."""
+    from transformers import AutoModelForCausalLM
+
+    model_class = model_class or AutoModelForCausalLM
+    if args.load_format == "dummy":
+        config = load_config(args.model_name, args.trust_remote_code)
+        if config_hook is not None:
+            config = config_hook(config)
+        if args.load_in_4bit:
+            raise SystemExit("--load_in_4bit quantises real weights while loading; it cannot be combined with --load_format dummy")
+        torch.manual_seed(args.seed)
+        with torch.device(device):
+            model = model_class.from_config(config, dtype=dtype, attn_implementation="eager")
+        return model.eval()
+    check_model_path(args.model_name)
+    kwargs = dict(dtype=dtype, attn_implementation="eager", trust_remote_code=args.trust_remote_code)
+    kwargs["use_safetensors"] = None if args.allow_pickle_weights else True
+    if args.load_in_4bit:
+        if device.type != "cuda":
+            raise SystemExit("--load_in_4bit needs a CUDA GPU (bitsandbytes NF4)")
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+        kwargs["device_map"] = {"": device.index or 0}
+    try:
+        model = model_class.from_pretrained(args.model_name, **kwargs)
+    except (OSError, ValueError) as error:
+        first_line = str(error).strip().splitlines()[0]
+        if "safetensors" in first_line or ".bin" in first_line or "pytorch_model" in first_line:
+            raise SystemExit(f"{args.model_name} has no safetensors weights; pass --allow_pickle_weights to load pickled ones")
+        raise SystemExit(f"could not load {args.model_name}: {first_line}")
+    if not args.load_in_4bit:
+        model = model.to(device)
+    return model.eval()
+
+
+def attach_lora(model, args):
+    """Wraps `model` with the adapter at --lora_adapter. Returns (model to run, peft model or None)."""
+    if args.lora_adapter is None:
+        if args.verify_no_drift:
+            raise SystemExit("--verify_no_drift checks a LoRA refresh: pass --lora_adapter too")
+        return model, None
+    if not os.path.isdir(args.lora_adapter):
+        raise SystemExit(f"LoRA adapter folder {args.lora_adapter} does not exist")
+    if args.load_in_4bit and not args.no_merge_lora:
+        raise SystemExit("a LoRA adapter cannot be merged into 4-bit weights: add --no_merge_lora")
+    if args.verify_no_drift and args.no_merge_lora:
+        raise SystemExit("--verify_no_drift checks the merged double-copy; drop --no_merge_lora")
+    from peft import PeftModel
+
+    try:
+        peft_model = PeftModel.from_pretrained(model, args.lora_adapter, is_trainable=False)
+    except (ValueError, KeyError, RuntimeError) as error:
+        raise SystemExit(f"the adapter at {args.lora_adapter} does not fit this model: {str(error).strip().splitlines()[0]}")
+    peft_model.eval()
+    return peft_model, (None if args.no_merge_lora else peft_model)
+
+
+def read_prompts(args) -> list:
+    """Prompts as strings or chat message lists, cycled to --n_prompts."""
+    if args.n_prompts < 1:
+        raise SystemExit(f"--n_prompts must be at least 1, got {args.n_prompts}")
+    prompts: list = DEFAULT_PROMPTS
+    if args.prompts_file is not None:
+        if not os.path.isfile(args.prompts_file):
+            raise SystemExit(f"prompts file {args.prompts_file} does not exist")
+        lines = [line for line in Path(args.prompts_file).read_text().splitlines() if line.strip()]
+        is_jsonl = args.prompts_file.endswith(".jsonl") or (lines and lines[0].lstrip().startswith("{"))
+        prompts = []
+        for number, line in enumerate(lines, 1):
+            if not is_jsonl:
+                prompts.append(line)
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                raise SystemExit(f"line {number} of {args.prompts_file} is not valid JSON")
+            value = record if isinstance(record, str) else next((record[k] for k in ("messages", "prompt", "text") if k in record), None)
+            if value is None:
+                raise SystemExit(f"line {number} of {args.prompts_file} has no prompt, text or messages field")
+            prompts.append(value)
+        if not prompts:
+            raise SystemExit(f"prompts file {args.prompts_file} holds no prompts")
+    return [prompts[i % len(prompts)] for i in range(args.n_prompts)]
+
+
+def format_prompt(tokenizer, prompt, chat_template: str) -> str:
+    """grpo: system prompt + user turn; native: the user's turn(s) as given; in the tokenizer's template."""
+    messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    if chat_template == "grpo":
+        messages = [{"role": "system", "content": GRPO_SYSTEM_PROMPT}] + [m for m in messages if m["role"] != "system"]
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return "\n\n".join(m["content"] for m in messages) + "\n\n"
+
+
+def make_sequences(prompts, tokenizer, chat_template: str, vocab_size: int, seed: int) -> list[Sequence]:
+    if tokenizer is None:  # dummy weights without a tokenizer: fixed random 128-token prompts
+        generator = random.Random(seed)
+        return [Sequence(input_ids=[generator.randrange(3, vocab_size) for _ in range(128)]) for _ in prompts]
+    sequences = []
+    for prompt in prompts:
+        text = format_prompt(tokenizer, prompt, chat_template)
+        sequences.append(Sequence(text=text, input_ids=tokenizer(text, add_special_tokens=False)["input_ids"]))
+    return sequences
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
+
+
+def run_cli(args, engine_class=None, load_model=None, default_chat_template: str = "grpo") -> dict:
+    """Loads the model, builds the engine, generates --n_rounds times, prints one summary line."""
+    engine_class = engine_class or FlexInference
+    load_model = load_model or load_causal_lm
+    for flag in ("max_new_tokens", "n_rounds", "verify_iterations"):
+        if getattr(args, flag) < 1:
+            raise SystemExit(f"--{flag} must be at least 1, got {getattr(args, flag)}")
+    decode_options = parse_json_dict(args.decode_kernel_options, "--decode_kernel_options")
+    prefill_options = parse_json_dict(args.prefill_kernel_options, "--prefill_kernel_options")
+    try:
+        check_engine_limits(args.max_batch_size, args.max_seq_length, args.n_pages, args.page_size, args.max_new_tokens)
+    except ValueError as error:
+        raise SystemExit(str(error))
+    prompts = read_prompts(args)
+    torch.manual_seed(args.seed)
+    device, dtype = resolve_device_and_dtype(args)
+    if args.capture_cudagraph and device.type != "cuda":
+        raise SystemExit("--capture_cudagraph needs a CUDA device")
+
+    start = time.perf_counter()
+    model = load_model(args, device, dtype)
+    tokenizer = load_tokenizer(args.model_name, args.trust_remote_code, required=args.load_format != "dummy")
+    model, peft_model = attach_lora(model, args)
+    load_s = time.perf_counter() - start
+    _say(args, f"loaded {args.model_name} in {load_s:.1f} s")
+
+    engine = engine_class(
+        model,
+        tokenizer,
+        max_batch_size=args.max_batch_size,
+        max_seq_length=args.max_seq_length,
+        n_pages=args.n_pages,
+        page_size=args.page_size,
+        max_new_tokens=args.max_new_tokens,
+        decode_kernel_options=decode_options,
+        prefill_kernel_options=prefill_options,
+        fa4_prefill=args.fa4_prefill,
+        peft_model=peft_model,
+    )
+    drift = None
+    if args.verify_no_drift:
+        drift = run_drift_verification(engine.lora_targets, engine.pristine_lora_weights, peft_model, args.verify_iterations, args.seed)
+        _say(args, f"drift verification: {'passed' if drift['passed'] else 'FAILED'} over {drift['iterations']} refreshes")
+
+    chat_template = default_chat_template if args.chat_template == "auto" else args.chat_template
+    wall_times, n_decoded = [], 0
+    sequences: list[Sequence] = []
+    for _ in range(args.n_rounds):
+        try:
+            sequences = make_sequences(prompts, tokenizer, chat_template, engine.config.vocab_size, args.seed)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            engine.generate(sequences, capture_cudagraph=args.capture_cudagraph, progress=not args.quiet)
+        except ValueError as error:
+            raise SystemExit(str(error))
+        wall_times.append(time.perf_counter() - start)
+        n_decoded = sum(len(seq.output_ids) for seq in sequences)
+
+    decode_tps = [n_decoded / t for t in wall_times]
+    stats = {
+        "backend": "flex_attention" + ("+cudagraph" if args.capture_cudagraph else ""),
+        "model_name": args.model_name,
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "capture_cudagraph": args.capture_cudagraph,
+        "lora_adapter": args.lora_adapter,
+        "lora_merged": peft_model is not None,
+        "n_prompts": len(sequences),
+        "n_decoded_tokens": n_decoded,
+        "wall_times_s": wall_times,
+        "median_wall_s": statistics.median(wall_times),
+        "best_wall_s": min(wall_times),
+        "decode_tps_median": statistics.median(decode_tps),
+        "decode_tps_best": max(decode_tps),
+        "max_new_tokens": args.max_new_tokens,
+        "peak_memory_gb": peak_memory_gb(device),
+        "kv_bytes_per_token": engine.kv_bytes_per_token,
+        "load_s": load_s,
+        "capture_s": engine.timings.get("capture_s"),
+        "sample_completions": [
+            tokenizer.decode(seq.output_ids, skip_special_tokens=True) if tokenizer is not None else seq.output_ids[:32]
+            for seq in sequences[:3]
+        ],
+    }
+    if drift is not None:
+        stats["drift_verification"] = drift
+    if args.stats_path:
+        Path(args.stats_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.stats_path).write_text(json.dumps(stats, indent=2))
+    print(
+        f"{stats['backend']}: {stats['n_prompts']} prompts, {n_decoded} tokens, median {stats['median_wall_s']:.2f} s, "
+        f"{stats['decode_tps_median']:.0f} tok/s (best {stats['decode_tps_best']:.0f}), peak {stats['peak_memory_gb']:.2f} GB"
+    )
+    if drift is not None and not drift["passed"]:
+        raise SystemExit("drift verification failed: the pristine or restored weights changed")
+    return stats
+
+
+def _say(args, line: str) -> None:
+    if not args.quiet:
+        print(line, file=sys.stderr)
+
+
+def main(argv=None) -> None:
+    args = build_arg_parser("unsloth/Qwen3-4B-Base", "Greedy rollouts for Qwen3 / Llama-3.2 on flex_attention.").parse_args(argv)
+    run_cli(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Helper scripts (importable so tests can reuse them, e.g. ``scripts.make_tiny_checkpoints``)."""
