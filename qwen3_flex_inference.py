@@ -211,15 +211,14 @@ class PageTable:
         return mask_mod
 
 
-class PagedKVCache(nn.Module):
+class PagedKVCache:
     """One attention layer's K/V pool, shared by all sequences through the page table."""
 
     def __init__(self, n_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype, device):
-        super().__init__()
         shape = (1, num_kv_heads, n_pages * page_size, head_dim)
         # k_cache, v_cache: [1, H_kv, n_pages * page_size, D]; row = physical_page * page_size + offset
-        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
 
     @property
     def bytes_per_token(self) -> int:
@@ -315,6 +314,14 @@ def default_kernel_options(is_prefill: bool, head_dim: int, device: torch.device
     return {"BLOCK_N": 32, "num_stages": 1}
 
 
+def mark_all_static(*tensors) -> None:
+    """Keeps torch.compile from treating any dimension of these tensors as dynamic."""
+    for t in tensors:
+        if t is not None:
+            for dim in range(t.dim()):
+                torch._dynamo.mark_static(t, dim)
+
+
 def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """HF's rotate-half RoPE. x: [B, H, S, D]; cos, sin: [B, S, D] from the model's own rotary module."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
@@ -343,7 +350,7 @@ class FlexStep:
     is_prefill: bool
     block_masks: dict  # attention regime -> BlockMask
     physical_slots: torch.Tensor  # [B * S] cache row of every token
-    kv_caches: nn.ModuleList  # per layer; None for layers that own no cache
+    kv_caches: list  # PagedKVCache per layer; None for layers that own no cache
     kernel_options: Callable[[bool, int], dict]
     packed_kv: dict = field(default_factory=dict)  # prefill: cache layer -> fresh (k, v)
 
@@ -362,17 +369,21 @@ class FlexStep:
         else:
             k, v = cache.k_cache, cache.v_cache
         head_dim = q.shape[-1]
-        # NOTE: the decode kernel wants a static batch size and every regime its own head_dim;
-        # without this, automatic dynamic shapes would make them symbolic after the second call.
-        for t in (q, k, v):
-            torch._dynamo.mark_static(t, 0)
-            torch._dynamo.mark_static(t, 1)
-            torch._dynamo.mark_static(t, 3)
+        block_mask = self.block_masks[regime]
+        # NOTE: automatic dynamic shapes would make a dimension symbolic once a second value is
+        # seen. Decode wants everything static (batch bucket, KV pool size: the CPU kernel indexes
+        # out of bounds with a symbolic KV length); prefill keeps only the packed length dynamic.
+        if self.is_prefill:
+            for t in (q, k, v):
+                for dim in (0, 1, 3):
+                    torch._dynamo.mark_static(t, dim)
+        else:
+            mark_all_static(q, k, v, *block_mask.as_tuple()[2:6])
         return flex_attention_compiled(
             q,
             k,
             v,
-            block_mask=self.block_masks[regime],
+            block_mask=block_mask,
             scale=module.scaling,
             enable_gqa=q.shape[1] != k.shape[1],
             kernel_options=self.kernel_options(self.is_prefill, head_dim),
@@ -534,12 +545,12 @@ class FlexInference:
         layer_types = getattr(self.config, "layer_types", None) or [FULL_ATTENTION]
         return {t: (window if t == SLIDING_ATTENTION else None) for t in set(layer_types)}
 
-    def _build_kv_caches(self) -> nn.ModuleList:
+    def _build_kv_caches(self) -> list[PagedKVCache | None]:
         n_kv_heads = self.config.num_key_value_heads
-        return nn.ModuleList(
+        return [
             PagedKVCache(self.page_table.n_pages, self.page_size, n_kv_heads, attn.head_dim, self.dtype, self.device)
             for attn in self._attention_layers()
-        )
+        ]
 
     def _patch_model(self) -> None:
         if any(t != FULL_ATTENTION for t in self.attention_regimes):
@@ -626,18 +637,25 @@ class FlexInference:
 
     @torch.inference_mode()
     def score(self, token_ids: list[list[int]]) -> list[torch.Tensor]:
-        """Teacher-forced logits [len, V] (float32, CPU) for each token list, from one packed prefill."""
-        sequences = [Sequence(input_ids=list(ids)) for ids in token_ids]
-        for seq in sequences:
-            self._admit(seq)
-        try:
-            hidden_1TE = self._forward_hidden(*self._pack(sequences))
-            logits_TV = self._logits(hidden_1TE[0]).cpu()
-        finally:
-            for seq in sequences:
-                self._release(seq)
-        starts = [0] + [p + 1 for p in sequences_last_positions(sequences)]
-        return [logits_TV[start : start + len(ids)] for start, ids in zip(starts, token_ids)]
+        """Teacher-forced logits [len, V] (float32, CPU) for each token list, through packed
+        prefills of as many lists as the free slots and pages hold."""
+        waiting = deque(Sequence(input_ids=list(ids)) for ids in token_ids)
+        logits = []
+        while waiting:
+            batch = []
+            while waiting and self.page_table.can_allocate() and self.page_table.can_reserve(waiting[0].seq_len):
+                batch.append(waiting.popleft())
+                self._admit(batch[-1])
+            if not batch:
+                raise ValueError(f"a sequence of {waiting[0].seq_len} tokens does not fit the page pool")
+            try:
+                logits_TV = self._logits(self._forward_hidden(*self._pack(batch))[0]).cpu()
+            finally:
+                for seq in batch:
+                    self._release(seq)
+            starts = [0] + [p + 1 for p in sequences_last_positions(batch)]
+            logits += [logits_TV[start : start + seq.seq_len] for start, seq in zip(starts, batch)]
+        return logits
 
     # --- decode -----------------------------------------------------------------------------
 
@@ -646,6 +664,7 @@ class FlexInference:
 
         Returns (next_ids [B], logits [B, V]).
         """
+        mark_all_static(input_pos_B, batch_idx_B, self.page_table.physical_to_logical)
         block_masks = {}
         for regime, logical_mask in self.logical_decode_masks.items():
             logical_rows = slice_logical_block_mask(logical_mask, input_pos_B)

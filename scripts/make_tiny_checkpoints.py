@@ -244,6 +244,7 @@ def _make_tokenizers(corpus: list[str]):
         tokenizer_object=_train_bpe(corpus, CHATML_SPECIALS, BPE_VOCAB_SIZE),
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
+        extra_special_tokens=["<|im_start|>", "<|im_end|>"],
         add_bos_token=False,
         add_eos_token=False,
         model_max_length=1024,
@@ -294,8 +295,8 @@ def _as_id_list(x) -> list[int]:
 def _randomize_(model, seed: int, embed_std: float, gain: float = 1.0) -> None:
     """Deterministic, deliberately "loud" init so greedy decoding of a tiny model is not degenerate.
 
-    * embeddings: N(0, embed_std); Gemma's scaled embeddings (x * sqrt(dim)) get N(0, 1/sqrt(dim)*...) so
-      that the scaled rows have unit std
+    * embeddings: N(0, embed_std); Gemma's scaled embeddings (forward multiplies by sqrt(dim)) get
+      N(0, 1/sqrt(dim)) so that the scaled rows have unit std
     * matrices / convs: N(0, gain / sqrt(fan_in))
     * norm weights: 1 + 0.1 * N(0, 1) (Gemma-4 RMSNorm multiplies by the weight as-is, as Qwen3/Llama do)
     * Gemma-4 ``layer_scalar`` buffers: U[0.5, 1.5]
@@ -499,11 +500,19 @@ def _save_model(model, folder: Path, tok, gen_eos: list[int], bos, pad) -> None:
 def _save_lora(model, folder: Path, targets, seed: int) -> int:
     from peft import LoraConfig, get_peft_model
 
-    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, bias="none")
+    cfg = LoraConfig(
+        r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM"
+    )
     peft_model = get_peft_model(model, cfg)  # NB: injects LoRA layers into `model` in place
     n = _randomize_lora_(peft_model, seed)
     peft_model.peft_config["default"].base_model_name_or_path = None
     peft_model.save_pretrained(folder / "lora", safe_serialization=True)
+    # peft stores a list of targets as a set -> the saved order depends on PYTHONHASHSEED; sort it.
+    path = folder / "lora" / "adapter_config.json"
+    acfg = json.loads(path.read_text())
+    if isinstance(acfg.get("target_modules"), list):
+        acfg["target_modules"] = sorted(acfg["target_modules"])
+    path.write_text(json.dumps(acfg, indent=2, sort_keys=True) + "\n")
     return n
 
 
@@ -597,7 +606,7 @@ def _verify(out: Path, built: list[dict]) -> list[str]:
         cls = AutoModelForImageTextToText if b["auto"] == "mm" else AutoModelForCausalLM
         model, info = cls.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
         model.eval()
-        bad = {k: v for k, v in info.items() if v and k != "mismatched_keys" or (k == "mismatched_keys" and v)}
+        bad = {k: v for k, v in info.items() if v}  # missing / unexpected / mismatched keys, error messages
         assert not bad, f"{b['name']}: loading info {bad}"
         sd = model.state_dict()
         assert sd.keys() == b["sd"].keys(), f"{b['name']}: keys differ {set(sd) ^ set(b['sd'])}"
@@ -614,20 +623,28 @@ def _verify(out: Path, built: list[dict]) -> list[str]:
 
         ids = tok.apply_chat_template(CHECK_MESSAGES, add_generation_prompt=True, tokenize=True)
         input_ids = torch.tensor([_as_id_list(ids)])
-        with torch.no_grad():
-            logits = model(input_ids=input_ids).logits[0, -1]
-            logits_by_name[b["name"]] = logits
-            forced = model.generate(
-                input_ids, max_new_tokens=30, min_new_tokens=30, do_sample=False, attention_mask=torch.ones_like(input_ids)
-            )[0, input_ids.shape[1] :].tolist()
-            natural = model.generate(
-                input_ids, max_new_tokens=30, do_sample=False, attention_mask=torch.ones_like(input_ids)
-            )[0, input_ids.shape[1] :].tolist()
-        distinct = len(set(forced))
-        assert distinct >= 4, f"{b['name']}: degenerate greedy output {forced}"
         eos = model.generation_config.eos_token_id
         eos = [eos] if isinstance(eos, int) else list(eos)
-        stop = next((i for i, t in enumerate(natural) if t in eos), None)
+        with torch.no_grad():
+            # One greedy run of 30 tokens with eos suppressed (min_new_tokens); the raw (unprocessed) logits
+            # tell where an unforced run would have stopped: the first step whose argmax is an eos id.
+            gen = model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=30,
+                min_new_tokens=30,
+                do_sample=False,
+                return_dict_in_generate=True,
+                output_logits=True,
+            )
+        forced = gen.sequences[0, input_ids.shape[1] :].tolist()
+        raw = torch.stack(gen.logits)[:, 0]  # [30, vocab]
+        logits = raw[0]  # next-token logits of the prompt
+        logits_by_name[b["name"]] = (logits, forced)
+        distinct = len(set(forced))
+        assert distinct >= 4, f"{b['name']}: degenerate greedy output {forced}"
+        top = raw.argmax(-1).tolist()
+        stop = next((f"{i} (id {t})" for i, t in enumerate(top) if t in eos), "-")
 
         peft_model = PeftModel.from_pretrained(model, folder / "lora")
         lora = {n: p for n, p in peft_model.named_parameters() if "lora_" in n}
@@ -639,11 +656,12 @@ def _verify(out: Path, built: list[dict]) -> list[str]:
         n_params = sum(v.numel() for k, v in b["sd"].items() if not k.endswith("layer_scalar"))
         lines.append(
             f"[tiny-ckpt] {b['name']:<17} {type(model).__name__:<31} vocab={len(tok)} params={n_params} "
-            f"eos={eos} greedy30: {distinct} distinct, first eos at {stop if stop is not None else '-'}; "
+            f"eos={eos} greedy30: {distinct} distinct, first eos at {stop}; "
             f"lora tensors={len(lora)}"
         )
-    diff = (logits_by_name["gemma4"] - logits_by_name["gemma4_text"]).abs().max().item()
-    assert diff < 1e-5, f"gemma4 vs gemma4_text logits differ by {diff}"
+    (mm_logits, mm_tokens), (txt_logits, txt_tokens) = logits_by_name["gemma4"], logits_by_name["gemma4_text"]
+    diff = (mm_logits - txt_logits).abs().max().item()
+    assert diff < 1e-5 and mm_tokens == txt_tokens, f"gemma4 vs gemma4_text differ (max |dlogit| {diff})"
     return lines
 
 
@@ -656,19 +674,17 @@ def _content_hash() -> str:
 
 
 def _version_string() -> str:
-    import tokenizers
-    import transformers
+    # importlib.metadata instead of importing the libraries: the up-to-date check must stay instant.
+    from importlib.metadata import PackageNotFoundError, version
 
-    try:
-        import peft
+    def v(pkg: str) -> str:
+        try:
+            return version(pkg)
+        except PackageNotFoundError:  # pragma: no cover
+            return "?"
 
-        peft_v = peft.__version__
-    except Exception:  # pragma: no cover
-        peft_v = "?"
-    return (
-        f"{BUILD_VERSION} content={_content_hash()} transformers={transformers.__version__} "
-        f"tokenizers={tokenizers.__version__} peft={peft_v}"
-    )
+    libs = " ".join(f"{pkg}={v(pkg)}" for pkg in ("torch", "transformers", "tokenizers", "peft", "safetensors"))
+    return f"{BUILD_VERSION} content={_content_hash()} {libs}"
 
 
 @contextlib.contextmanager
@@ -690,11 +706,18 @@ def _quiet():
         disable_progress_bars()
     except Exception:  # pragma: no cover
         old_hub = None
+    import torch
+
+    # The models are tiny: intra-op threading only adds overhead (and OpenMP spin-waits badly when the
+    # cores are shared with other processes), so build single-threaded.
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             yield
     finally:
+        torch.set_num_threads(old_threads)
         tlog.set_verbosity(old_verbosity)
         if old_bars:
             tlog.enable_progress_bar()
@@ -710,13 +733,17 @@ def _marker_ok(root: Path, version: str) -> bool:
         return False
 
 
+_KNOWN_ENTRIES = {MARKER, "qwen3", "llama", "gemma4", "gemma4_text", "gemma4_text_keqv"}
+
+
 def ensure_tiny_checkpoints(out_dir=None, force: bool = False, verbose: bool = True) -> Path:
     """Return the root dir of the tiny checkpoints, building them first if missing or stale.
 
     The root holds a ``DONE`` marker with a version string (build version + hash of this script and of
     DEFAULT_PROMPTS + library versions); a mismatch triggers a full rebuild (a few seconds). Building
     happens in a temporary sibling folder which replaces ``out_dir`` at the end, under a file lock, so
-    concurrent callers (e.g. pytest-xdist workers) are safe.
+    concurrent callers (e.g. pytest-xdist workers) are safe. Prints one line per checkpoint when it
+    builds (``verbose``), nothing otherwise.
     """
     import fcntl
 
@@ -731,10 +758,19 @@ def ensure_tiny_checkpoints(out_dir=None, force: bool = False, verbose: bool = T
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not force and _marker_ok(root, version):  # built by someone else while we waited
             return root
-        t0 = time.perf_counter()
+        if root.exists():
+            foreign = sorted(p.name for p in root.iterdir() if p.name not in _KNOWN_ENTRIES)
+            if foreign or not root.is_dir():
+                raise RuntimeError(
+                    f"refusing to replace {root}: it holds entries this script did not write ({foreign[:5]})"
+                )
+        # Leftovers of builds that were killed (we hold the lock, so nobody else is building).
+        for stale in root.parent.glob(f".{root.name}.tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        for stale in root.parent.glob(f".{root.name}.old-*"):
+            shutil.rmtree(stale, ignore_errors=True)
         tmp = root.parent / f".{root.name}.tmp-{os.getpid()}"
         old = root.parent / f".{root.name}.old-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
         try:
             with _quiet():
                 built = _build_all(tmp)
@@ -749,7 +785,6 @@ def ensure_tiny_checkpoints(out_dir=None, force: bool = False, verbose: bool = T
         if verbose:
             for line in lines:
                 print(line, flush=True)
-            print(f"[tiny-ckpt] built {len(lines)} checkpoints in {root} ({time.perf_counter() - t0:.1f}s)", flush=True)
     return root
 
 
@@ -758,8 +793,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=None, help=f"output root (default: {DEFAULT_OUT})")
     ap.add_argument("--force", action="store_true", help="rebuild even if the DONE marker is current")
     args = ap.parse_args(argv)
-    root = ensure_tiny_checkpoints(args.out, force=args.force)
-    print(f"[tiny-ckpt] ready: {root}")
+    root = Path(args.out).expanduser().resolve() if args.out is not None else DEFAULT_OUT
+    t0 = time.perf_counter()
+    up_to_date = not args.force and _marker_ok(root, _version_string())
+    ensure_tiny_checkpoints(root, force=args.force)
+    state = "up to date (use --force to rebuild)" if up_to_date else f"built in {time.perf_counter() - t0:.1f}s"
+    print(f"[tiny-ckpt] {root}: {state}")
     return 0
 
 

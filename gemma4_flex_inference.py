@@ -1,0 +1,224 @@
+"""Gemma-4 (E2B and kin) on the flex_attention engine of qwen3_flex_inference.py.
+
+Only what Gemma-4 does differently lives here; the page table, paged KV cache, block masks,
+scheduler, CUDA graphs, LoRA double-copy and CLI are the base engine's:
+- KV-sharing layers: the last `num_kv_shared_layers` layers have no k/v projections and attend over
+  the paged cache of their "store" layer (the last non-shared layer of the same attention type),
+  with the same block masks; only non-shared layers own a cache.
+- Two attention regimes, `full_attention` (head_dim 512, proportional RoPE) and
+  `sliding_attention` (head_dim 256, window 512), each with its own cos/sin from the model's own
+  `Gemma4TextRotaryEmbedding(x, position_ids, layer_type)` and its own block mask.
+- Attention scale 1.0 (q_norm/k_norm carry it), v_norm without weight, values = raw keys when
+  `attention_k_eq_v`.
+- Per-layer inputs (PLE), four norms, layer_scalar: the decoder layers run Hugging Face's own
+  forward, which threads them, so they are exact by construction; the walker supplies each layer
+  its PLE slice and the flex step.
+- The final logit softcap, tanh(logits / c) * c.
+- Loading: multimodal checkpoints drop their vision/audio towers and the language model moves into
+  a `Gemma4ForCausalLM` shell (lm_head tied to the embeddings).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from qwen3_flex_inference import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    FlexInference,
+    FlexStep,
+    PagedKVCache,
+    PageTable,
+    Sequence,
+    _apply_rotary,
+    build_arg_parser,
+    check_model_path,
+    flex_attention_compiled,
+    load_causal_lm,
+    refresh_lora_merge_from_pristine,
+    run_cli,
+    run_drift_verification,
+)
+
+__all__ = [
+    "FlexGemma4Inference",
+    "PagedKVCache",
+    "PageTable",
+    "Sequence",
+    "flex_attention_compiled",
+    "load_gemma4",
+    "refresh_lora_merge_from_pristine",
+    "run_drift_verification",
+]
+
+GEMMA4_INSTALL_HINT = "Gemma-4 needs transformers >= 5.5, whose gemma4 module this install lacks: pip install -U 'transformers>=5.5'"
+
+
+def _require_gemma4() -> None:
+    """Exits with an install hint when the installed transformers has no gemma4 module."""
+    try:
+        import transformers.models.gemma4.modeling_gemma4  # noqa: F401
+    except ImportError:
+        raise SystemExit(GEMMA4_INSTALL_HINT)
+
+
+# ---------------------------------------------------------------------------------------------
+# KV sharing
+# ---------------------------------------------------------------------------------------------
+
+
+def kv_store_layers(config) -> list[int]:
+    """For each layer, the layer whose paged cache it attends over (itself unless KV-shared).
+
+    A KV-shared layer reads the last non-shared layer of its own attention type (HF's
+    `store_full_length_kv` layer).
+    """
+    first_shared_layer_idx = config.num_hidden_layers - (getattr(config, "num_kv_shared_layers", 0) or 0)
+    cache_layer_idx = []
+    for layer_idx, layer_type in enumerate(config.layer_types):
+        if layer_idx < first_shared_layer_idx:
+            cache_layer_idx.append(layer_idx)
+        else:
+            same_type = [i for i in range(first_shared_layer_idx) if config.layer_types[i] == layer_type]
+            cache_layer_idx.append(same_type[-1])
+    return cache_layer_idx
+
+
+# ---------------------------------------------------------------------------------------------
+# Patched attention
+# ---------------------------------------------------------------------------------------------
+
+
+def gemma4_attention_forward(self, hidden_states, position_embeddings, attention_mask=None, flex_step=None, **kwargs):
+    """Replaces Gemma4TextAttention.forward: HF's projections and norms, paged flex attention."""
+    input_shape = hidden_states.shape[:-1]  # [B, S]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+    cos, sin = position_embeddings
+    q = self.q_norm(self.q_proj(hidden_states).view(hidden_shape))
+    q = _apply_rotary(q.transpose(1, 2), cos, sin)  # [B, H, S, D]
+    k = v = None  # KV-shared layers read their store layer's cache
+    if not self.is_kv_shared_layer:
+        k = self.k_proj(hidden_states).view(hidden_shape)
+        v = self.v_proj(hidden_states).view(hidden_shape) if self.v_proj is not None else k  # attention_k_eq_v
+        k = _apply_rotary(self.k_norm(k).transpose(1, 2), cos, sin)  # [B, H_kv, S, D]
+        v = self.v_norm(v).transpose(1, 2)
+    attn_output = flex_step.attend(self, q, k, v, self.kv_cache_layer_idx, self.layer_type)
+    attn_output = attn_output.transpose(1, 2).reshape(*input_shape, -1)
+    return self.o_proj(attn_output), None
+
+
+# ---------------------------------------------------------------------------------------------
+# Engine
+# ---------------------------------------------------------------------------------------------
+
+
+class FlexGemma4Inference(FlexInference):
+    """FlexInference for Gemma-4 text models (`Gemma4ForCausalLM`, optionally in a PEFT wrapper)."""
+
+    def _attention_regimes(self) -> dict[str, int | None]:
+        return {t: (self.config.sliding_window if t == SLIDING_ATTENTION else None) for t in set(self.config.layer_types)}
+
+    def _build_kv_caches(self) -> list[PagedKVCache | None]:
+        """Only non-shared layers own a cache: KV bytes per token = the sum over those layers."""
+        caches = []
+        for layer_idx, attn in enumerate(self._attention_layers()):
+            if attn.is_kv_shared_layer:
+                caches.append(None)
+                continue
+            num_kv_heads = attn.k_proj.out_features // attn.head_dim
+            caches.append(PagedKVCache(self.page_table.n_pages, self.page_size, num_kv_heads, attn.head_dim, self.dtype, self.device))
+        return caches
+
+    def _patch_model(self) -> None:
+        for attn, cache_layer_idx in zip(self._attention_layers(), kv_store_layers(self.config)):
+            attn.kv_cache_layer_idx = cache_layer_idx
+            attn.forward = gemma4_attention_forward.__get__(attn)
+
+    def _forward_hidden(self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor, step: FlexStep) -> torch.Tensor:
+        """Embeddings (scaled) and PLE, then every decoder layer with its PLE slice and regime's RoPE."""
+        decoder = self.decoder
+        hidden_BSE = decoder.embed_tokens(input_ids_BS)
+        per_layer_inputs_BSLP = None
+        if decoder.hidden_size_per_layer_input:
+            per_layer_inputs_BSLP = decoder.project_per_layer_inputs(hidden_BSE, decoder.get_per_layer_inputs(input_ids_BS, None))
+        position_embeddings = {t: decoder.rotary_emb(hidden_BSE, position_ids_BS, t) for t in self.attention_regimes}
+        for layer_idx, layer in enumerate(decoder.layers):
+            layer_type = self.config.layer_types[layer_idx]
+            per_layer_input = per_layer_inputs_BSLP[:, :, layer_idx] if per_layer_inputs_BSLP is not None else None
+            hidden_BSE = layer(
+                hidden_BSE,
+                per_layer_input,
+                position_embeddings=position_embeddings[layer_type],
+                attention_mask=None,
+                flex_step=step,
+            )
+        return decoder.norm(hidden_BSE)
+
+    def _logits(self, hidden_NE: torch.Tensor) -> torch.Tensor:
+        logits_NV = self.causal_lm.lm_head(hidden_NE).float()
+        softcap = self.config.final_logit_softcapping
+        if softcap is not None:
+            logits_NV = torch.tanh(logits_NV / softcap) * softcap
+        return logits_NV
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+
+
+def text_config_of(config):
+    """The text config of a multimodal Gemma-4 config (or the config itself)."""
+    return getattr(config, "text_config", None) or config
+
+
+def causal_lm_from_multimodal(multimodal) -> nn.Module:
+    """Moves a Gemma4ForConditionalGeneration's language model into a Gemma4ForCausalLM shell.
+
+    The vision and audio towers are dropped; lm_head is tied to the embeddings; the end ids of the
+    multimodal config and generation config carry over.
+    """
+    from transformers import Gemma4ForCausalLM
+
+    text_config = multimodal.config.text_config
+    end_ids = set()
+    for source in (multimodal.config, text_config, multimodal.generation_config):
+        value = getattr(source, "eos_token_id", None)
+        if value is not None:
+            end_ids |= set(value) if isinstance(value, (list, tuple)) else {value}
+    with torch.device("meta"):
+        shell = Gemma4ForCausalLM(text_config)
+    shell.model = multimodal.model.language_model
+    shell.lm_head = nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False)
+    shell.lm_head.weight = shell.model.embed_tokens.weight
+    shell.generation_config = multimodal.generation_config
+    shell.generation_config.eos_token_id = sorted(end_ids)
+    return shell
+
+
+def load_gemma4(args, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """Loads a Gemma-4 checkpoint (multimodal or text-only) as a Gemma4ForCausalLM on `device`."""
+    from transformers import AutoConfig, Gemma4ForCausalLM, Gemma4ForConditionalGeneration
+
+    if args.load_format == "dummy":
+        return load_causal_lm(args, device, dtype, Gemma4ForCausalLM, config_hook=text_config_of)
+    check_model_path(args.model_name)
+    try:
+        config = AutoConfig.from_pretrained(args.model_name, trust_remote_code=args.trust_remote_code)
+    except OSError as error:
+        raise SystemExit(f"could not read the config of {args.model_name}: {str(error).splitlines()[0]}")
+    if getattr(config, "text_config", None) is None:
+        return load_causal_lm(args, device, dtype, Gemma4ForCausalLM)
+    multimodal = load_causal_lm(args, device, dtype, Gemma4ForConditionalGeneration)
+    return causal_lm_from_multimodal(multimodal).eval()
+
+
+def main(argv=None) -> None:
+    args = build_arg_parser("unsloth/gemma-4-E2B-it", "Greedy rollouts for Gemma-4 on flex_attention.").parse_args(argv)
+    _require_gemma4()
+    run_cli(args, FlexGemma4Inference, load_gemma4, default_chat_template="native")
+
+
+if __name__ == "__main__":
+    main()

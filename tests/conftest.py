@@ -1,0 +1,62 @@
+"""Shared fixtures: the tiny checkpoints (built once per machine) and HF references."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from scripts.make_tiny_checkpoints import ensure_tiny_checkpoints  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_dir() -> Path:
+    return ensure_tiny_checkpoints()
+
+
+def load_hf(path, model_class=None, dtype=torch.float32):
+    """HF reference model: eager attention, float32 on CPU."""
+    from transformers import AutoModelForCausalLM
+
+    model_class = model_class or AutoModelForCausalLM
+    return model_class.from_pretrained(path, dtype=dtype, attn_implementation="eager").eval()
+
+
+def hf_greedy(model, prompts, max_new_tokens, end_ids):
+    """HF generate, one prompt at a time (no padding), stopping on any of `end_ids`."""
+    outputs = []
+    for ids in prompts:
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=sorted(end_ids) or None,
+                pad_token_id=0,
+            )
+        outputs.append(out[0, len(ids):].tolist())
+    return outputs
+
+
+def hf_argmax_rollout(model, prompts, max_new_tokens, end_ids):
+    """Greedy by hand: full forward each step, argmax of the last logits (no KV cache at all)."""
+    outputs = []
+    for ids in prompts:
+        tokens = list(ids)
+        for _ in range(max_new_tokens):
+            with torch.no_grad():
+                next_id = int(model(torch.tensor([tokens])).logits[0, -1].argmax())
+            tokens.append(next_id)
+            if next_id in end_ids:
+                break
+        outputs.append(tokens[len(ids):])
+    return outputs
+
+
+def random_prompts(lengths, vocab_size, seed=0, low=3):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(low, vocab_size, (n,), generator=generator).tolist() for n in lengths]

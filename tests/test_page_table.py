@@ -1,0 +1,79 @@
+"""Page-table bookkeeping: free + used = total through allocate / reserve / erase / preempt."""
+
+import random
+
+import pytest
+import torch
+
+from qwen3_flex_inference import PageTable, check_engine_limits
+
+
+def check_invariants(table: PageTable):
+    total = table.n_pages - 1  # page 0 is reserved
+    assert table.num_free_pages + table.num_used_pages == total, f"{table.num_free_pages=} {table.num_used_pages=} {total=}"
+    owned = [p for pages in table.pages_of for p in pages]
+    assert len(owned) == len(set(owned)), "a page is owned twice"
+    assert 0 not in owned and 0 not in table.free_pages, "the reserved page 0 was handed out"
+    assert not set(owned) & set(table.free_pages), "a page is both free and owned"
+    for batch_idx, pages in enumerate(table.pages_of):
+        assert table.capacity[batch_idx] == len(pages) * table.page_size
+        for logical_block_idx, physical_page_idx in enumerate(pages):
+            assert table.page_table_cpu[batch_idx, logical_block_idx] == physical_page_idx
+            assert table.physical_to_logical_cpu[batch_idx, physical_page_idx] == logical_block_idx
+    assert (table.physical_to_logical_cpu >= 0).sum() == len(owned) + 1  # + slot 0 owning page 0
+
+
+def test_page_table_invariants_hold_through_random_allocate_reserve_erase():
+    table = PageTable(page_size=16, n_pages=40, max_batch_size=6, max_seq_length=256, device="cpu")
+    rng = random.Random(0)
+    live: dict[int, int] = {}
+    for _ in range(500):
+        action = rng.random()
+        if action < 0.3 and table.can_allocate():
+            batch_idx = table.allocate()
+            assert batch_idx != 0, "slot 0 is reserved for padding rows"
+            live[batch_idx] = 0
+        elif action < 0.8 and live:
+            batch_idx = rng.choice(list(live))
+            seq_len = min(live[batch_idx] + rng.randint(1, 40), 256)
+            if table.can_reserve(seq_len, batch_idx):
+                table.reserve(batch_idx, seq_len)
+                live[batch_idx] = seq_len
+                assert table.capacity[batch_idx] >= seq_len
+            else:
+                with pytest.raises(RuntimeError):
+                    table.reserve(batch_idx, seq_len)
+        elif live:  # erase (finish or preempt)
+            batch_idx = rng.choice(list(live))
+            table.erase(batch_idx)
+            del live[batch_idx]
+        check_invariants(table)
+    table.flush()
+    assert torch.equal(table.page_table.cpu(), table.page_table_cpu)
+    assert torch.equal(table.physical_to_logical.cpu(), table.physical_to_logical_cpu)
+
+
+def test_physical_slots_follow_the_page_table():
+    table = PageTable(page_size=16, n_pages=10, max_batch_size=3, max_seq_length=64, device="cpu")
+    a, b = table.allocate(), table.allocate()
+    table.reserve(a, 20)
+    table.reserve(b, 40)
+    table.reserve(a, 33)
+    slots = table.physical_slots(a, 0, 33)
+    pages = table.pages_of[a]
+    assert slots == [pages[i // 16] * 16 + i % 16 for i in range(33)]
+    assert len(set(slots) & set(table.physical_slots(b, 0, 40))) == 0
+
+
+@pytest.mark.parametrize(
+    "limits, message",
+    [
+        ((4, 100, 64, 16, 8), "multiple of page_size"),
+        ((4, 128, 4, 16, 8), "cannot hold even one sequence"),
+        ((4, 128, 64, 16, 0), "max_new_tokens"),
+        ((4, 128, 64, 12, 8), "power of two"),
+    ],
+)
+def test_engine_limits_reject_bad_sizes_with_one_sentence(limits, message):
+    with pytest.raises(ValueError, match=message):
+        check_engine_limits(*limits)

@@ -1,0 +1,122 @@
+"""The base engine against Hugging Face on tiny Qwen3 and Llama-3.2 checkpoints (float32, CPU)."""
+
+import pytest
+import torch
+
+from conftest import hf_greedy, load_hf, random_prompts
+from qwen3_flex_inference import FlexInference, Sequence
+
+MAX_NEW_TOKENS = 24
+# Prompt lengths spanning several 16-token pages; more prompts than batch slots.
+PROMPT_LENGTHS = [5, 70, 17, 33, 48, 3, 90, 21]
+
+
+def make_engine(path, **overrides):
+    limits = dict(max_batch_size=4, max_seq_length=256, n_pages=64, page_size=16, max_new_tokens=MAX_NEW_TOKENS)
+    limits.update(overrides)
+    return FlexInference(load_hf(path), None, **limits)
+
+
+def generate(engine, prompts):
+    return [seq.output_ids for seq in engine.generate([Sequence(input_ids=ids) for ids in prompts])]
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def case(request, tiny_dir):
+    path = tiny_dir / request.param
+    hf = load_hf(path)
+    engine = make_engine(path)
+    prompts = random_prompts(PROMPT_LENGTHS, hf.config.vocab_size, seed=1)
+    want = hf_greedy(hf, prompts, MAX_NEW_TOKENS, engine.end_ids)
+    return dict(name=request.param, path=path, hf=hf, engine=engine, prompts=prompts, want=want)
+
+
+def test_greedy_tokens_match_hf_generate_with_more_prompts_than_slots(case):
+    got = generate(case["engine"], case["prompts"])
+    for i, (g, w) in enumerate(zip(got, case["want"])):
+        assert g == w, f"{case['name']} prompt {i}: {g=} {w=}"
+    assert len({tuple(w) for w in case["want"]}) > 1, "degenerate reference: every completion is the same"
+
+
+def test_same_batch_twice_and_reversed_order_give_the_same_tokens(case):
+    engine, prompts = case["engine"], case["prompts"]
+    assert generate(engine, prompts) == case["want"]
+    assert generate(engine, prompts[::-1]) == case["want"][::-1]
+
+
+def test_forced_preemption_still_matches_hf(case):
+    # 17 usable pages of 16 tokens for up to 4 sequences of up to 114 tokens: the pool runs dry.
+    engine = make_engine(case["path"], n_pages=18, max_seq_length=128)
+    sequences = engine.generate([Sequence(input_ids=ids) for ids in case["prompts"]])
+    assert sum(seq.num_preemptions for seq in sequences) > 0, "the pool was large enough: no preemption"
+    for i, (seq, w) in enumerate(zip(sequences, case["want"])):
+        assert seq.output_ids == w, f"prompt {i}: {seq.output_ids=} {w=}"
+    assert engine.page_table.num_used_pages == 0 and engine.page_table.num_free_pages == 17
+
+
+def test_teacher_forced_logits_within_1e_4_of_hf(case):
+    tokens = [p + w for p, w in zip(case["prompts"], case["want"])]
+    got = case["engine"].score(tokens)
+    for i, ids in enumerate(tokens):
+        with torch.no_grad():
+            want = case["hf"](torch.tensor([ids])).logits[0]
+        err = (got[i] - want).abs().max().item()
+        assert err < 1e-4, f"prompt {i}: max |logit error| {err}"
+
+
+def test_decode_step_logits_within_1e_4_of_hf(case):
+    engine = case["engine"]
+    sequences = [Sequence(input_ids=ids, record_logits=True) for ids in case["prompts"][:3]]
+    engine.generate(sequences)
+    for seq in sequences:
+        with torch.no_grad():
+            want = case["hf"](torch.tensor([seq.token_ids])).logits[0, len(seq.input_ids) - 1 : -1]
+        got = torch.stack(seq.output_logits)
+        err = (got - want).abs().max().item()
+        assert err < 1e-4, f"max |logit error| {err}"
+
+
+def test_every_end_id_of_the_generation_config_stops(case):
+    engine = case["engine"]
+    gen_ids = case["hf"].generation_config.eos_token_id
+    assert isinstance(gen_ids, list) and len(gen_ids) >= 2 and set(gen_ids) <= engine.end_ids
+    # Make one end id the model's favourite token: generation must stop right after it.
+    prompts = case["prompts"][:2]
+    first = generate(engine, prompts)
+    stop_id = first[0][2]
+    engine.end_ids = {stop_id}
+    try:
+        stopped = engine.generate([Sequence(input_ids=ids) for ids in prompts])
+    finally:
+        engine.end_ids = set(gen_ids) | {case["hf"].config.eos_token_id} - {None}
+    assert stopped[0].output_ids == first[0][:3] and stopped[0].finish_reason == "stop"
+
+
+def test_sequences_come_back_complete_in_input_order_as_the_same_objects(case):
+    engine = case["engine"]
+    sequences = [Sequence(input_ids=ids, max_new_tokens=n) for ids, n in zip(case["prompts"], [3, 9, 1, 5, 7, 2, 4, 6])]
+    returned = engine.generate(sequences)
+    assert returned is sequences and all(a is b for a, b in zip(returned, sequences))
+    for seq, n in zip(sequences, [3, 9, 1, 5, 7, 2, 4, 6]):
+        assert seq.finished and (len(seq.output_ids) == n or seq.finish_reason == "stop")
+
+
+def test_prompt_longer_than_max_seq_length_is_refused(case):
+    with pytest.raises(ValueError, match="max_seq_length"):
+        case["engine"].generate([Sequence(input_ids=[5] * 300)])
+
+
+def test_text_sequences_are_tokenized_when_a_tokenizer_is_given(case, tiny_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(case["path"])
+    engine = case["engine"]
+    engine.tokenizer = tokenizer
+    try:
+        text = "A train travels 180 kilometres in 2 hours."
+        [seq] = engine.generate([Sequence(text=text, max_new_tokens=5)])
+    finally:
+        engine.tokenizer = None
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert seq.input_ids == ids
+    assert seq.output_ids == hf_greedy(case["hf"], [ids], 5, engine.end_ids)[0]
