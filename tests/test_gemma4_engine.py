@@ -1,0 +1,158 @@
+"""Gemma-4 on the engine against Hugging Face (eager attention, float32, CPU) on tiny checkpoints
+with a 24-token sliding window, KV-shared layers of both types, PLE and the logit softcap."""
+
+import argparse
+
+import pytest
+import torch
+
+from conftest import hf_argmax_rollout, load_hf, random_prompts
+from gemma4_flex_inference import FlexGemma4Inference, Sequence, kv_store_layers, load_gemma4
+
+MAX_NEW_TOKENS = 24
+# Prompts and generations run past the 24-token window; more prompts than batch slots.
+PROMPT_LENGTHS = [5, 70, 17, 33, 48, 3, 90, 21]
+
+
+def make_engine(model, **overrides):
+    limits = dict(max_batch_size=4, max_seq_length=256, n_pages=64, page_size=16, max_new_tokens=MAX_NEW_TOKENS)
+    limits.update(overrides)
+    return FlexGemma4Inference(model, None, **limits)
+
+
+def load_args(path):
+    return argparse.Namespace(
+        model_name=str(path), load_format="auto", load_in_4bit=False, trust_remote_code=False, allow_pickle_weights=False, seed=0
+    )
+
+
+@pytest.fixture(scope="module", params=["gemma4_text", "gemma4_text_keqv"])
+def case(request, tiny_dir):
+    path = tiny_dir / request.param
+    hf = load_hf(path)
+    engine = make_engine(load_hf(path))
+    prompts = random_prompts(PROMPT_LENGTHS, hf.config.vocab_size, seed=2)
+    want = hf_argmax_rollout(hf, prompts, MAX_NEW_TOKENS, engine.end_ids)
+    return dict(name=request.param, path=path, hf=hf, engine=engine, prompts=prompts, want=want)
+
+
+def test_end_ids_are_every_gemma_end_of_sequence_and_end_of_turn(case):
+    assert {1, 4} <= case["engine"].end_ids, f"{case['engine'].end_ids=}"
+
+
+def test_greedy_tokens_match_hf_argmax_beyond_sliding_window(case):
+    sequences = case["engine"].generate([Sequence(input_ids=ids) for ids in case["prompts"]])
+    for i, (seq, want) in enumerate(zip(sequences, case["want"])):
+        assert seq.output_ids == want, f"{case['name']} prompt {i}: {seq.output_ids=} {want=}"
+    assert max(seq.seq_len for seq in sequences) > 4 * case["hf"].config.sliding_window
+
+
+def test_forced_preemption_and_reversed_order_still_match_hf(case):
+    engine = make_engine(load_hf(case["path"]), n_pages=18, max_seq_length=128)
+    sequences = engine.generate([Sequence(input_ids=ids) for ids in case["prompts"][::-1]])
+    assert sum(seq.num_preemptions for seq in sequences) > 0, "the pool was large enough: no preemption"
+    for i, (seq, want) in enumerate(zip(sequences, case["want"][::-1])):
+        assert seq.output_ids == want, f"prompt {i}: {seq.output_ids=} {want=}"
+
+
+def logit_tolerance(case, tokens) -> float:
+    """1e-4, or twice HF's own eager-vs-SDPA gap on the same tokens if that is larger.
+
+    NOTE: the tiny Gemma-4 is badly conditioned (scale-1.0 attention over normed q/k gives sharp
+    softmaxes), so float32 rounding differences between attention kernels reach ~5e-4 in HF
+    itself; float64 would settle it, but CPU flex_attention has no float64 kernel.
+    """
+    from transformers import AutoModelForCausalLM
+
+    if "sdpa" not in case:
+        case["sdpa"] = AutoModelForCausalLM.from_pretrained(case["path"], attn_implementation="sdpa").eval()
+    gap = 0.0
+    for ids in tokens:
+        with torch.no_grad():
+            gap = max(gap, (case["hf"](torch.tensor([ids])).logits - case["sdpa"](torch.tensor([ids])).logits).abs().max().item())
+    return max(1e-4, 2 * gap)
+
+
+def test_teacher_forced_logits_match_gemma4_for_causal_lm(case):
+    tokens = [p + w for p, w in zip(case["prompts"], case["want"])]
+    tolerance = logit_tolerance(case, tokens)
+    got = case["engine"].score(tokens)
+    for i, ids in enumerate(tokens):
+        with torch.no_grad():
+            want = case["hf"](torch.tensor([ids])).logits[0]
+        err = (got[i] - want).abs().max().item()
+        assert err < tolerance, f"prompt {i} ({len(ids)} tokens): max |logit error| {err} {tolerance=}"
+
+
+def test_decode_step_logits_match_hf(case):
+    sequences = [Sequence(input_ids=ids, record_logits=True) for ids in case["prompts"][:4]]
+    case["engine"].generate(sequences)
+    tolerance = logit_tolerance(case, [seq.token_ids for seq in sequences])
+    for i, seq in enumerate(sequences):
+        with torch.no_grad():
+            want = case["hf"](torch.tensor([seq.token_ids])).logits[0, len(seq.input_ids) - 1 : -1]
+        err = (torch.stack(seq.output_logits) - want).abs().max().item()
+        assert err < tolerance, f"prompt {i}: max |logit error| {err} {tolerance=}"
+
+
+def test_shared_layers_allocate_no_cache_and_bytes_per_token_sum_the_rest(case):
+    engine, config = case["engine"], case["hf"].config
+    first_shared = config.num_hidden_layers - config.num_kv_shared_layers
+    want_bytes = 0
+    for layer_idx, attn in enumerate(case["hf"].model.layers):
+        cache = engine.kv_caches[layer_idx]
+        if layer_idx >= first_shared:
+            assert cache is None, f"shared layer {layer_idx} owns a cache"
+            continue
+        head_dim = config.per_layer_config[layer_idx].head_dim
+        num_kv_heads = attn.self_attn.k_proj.out_features // head_dim
+        assert cache.k_cache.shape[1:] == (num_kv_heads, engine.page_table.n_pages * 16, head_dim)
+        want_bytes += 2 * num_kv_heads * head_dim * 4
+    assert engine.kv_bytes_per_token == want_bytes, f"{engine.kv_bytes_per_token=} {want_bytes=}"
+
+
+def test_kv_shared_layers_read_the_last_non_shared_layer_of_their_type(case):
+    config = case["hf"].config
+    first_shared = config.num_hidden_layers - config.num_kv_shared_layers
+    store = kv_store_layers(config)
+    types = config.layer_types
+    assert {types[i] for i in range(first_shared, len(types))} == {"sliding_attention", "full_attention"}
+    for layer_idx in range(first_shared, len(types)):
+        want = max(j for j in range(first_shared) if types[j] == types[layer_idx])
+        assert store[layer_idx] == want, f"{layer_idx=} {store[layer_idx]=} {want=}"
+        assert case["hf"].model.layers[want].self_attn.store_full_length_kv
+    assert store[:first_shared] == list(range(first_shared))
+
+
+def test_multimodal_checkpoint_and_plain_checkpoint_give_identical_tokens(tiny_dir):
+    multimodal = load_gemma4(load_args(tiny_dir / "gemma4"), torch.device("cpu"), torch.float32)
+    plain = load_gemma4(load_args(tiny_dir / "gemma4_text"), torch.device("cpu"), torch.float32)
+    assert type(multimodal).__name__ == "Gemma4ForCausalLM"
+    assert not any("vision" in n or "audio" in n for n, _ in multimodal.named_parameters())
+    assert multimodal.lm_head.weight is multimodal.model.embed_tokens.weight
+    prompts = random_prompts([9, 40], plain.config.vocab_size, seed=3)
+    outputs = []
+    for model in (multimodal, plain):
+        engine = make_engine(model, max_batch_size=2)
+        outputs.append([s.output_ids for s in engine.generate([Sequence(input_ids=ids) for ids in prompts])])
+    assert outputs[0] == outputs[1], f"{outputs=}"
+    assert make_engine(multimodal).end_ids == make_engine(plain).end_ids == {1, 4}
+
+
+def test_lora_double_copy_equals_hf_peft_merged_and_drift_check_passes(tiny_dir):
+    from peft import PeftModel
+
+    from qwen3_flex_inference import run_drift_verification
+
+    path = tiny_dir / "gemma4_text"
+    reference = PeftModel.from_pretrained(load_hf(path), path / "lora").merge_and_unload()
+    peft_model = PeftModel.from_pretrained(load_hf(path), path / "lora")
+    engine = FlexGemma4Inference(peft_model, None, max_batch_size=4, max_seq_length=256, n_pages=64, page_size=16, max_new_tokens=MAX_NEW_TOKENS, peft_model=peft_model)
+    prompts = random_prompts([7, 30, 55], reference.config.vocab_size, seed=4)
+    want = hf_argmax_rollout(reference, prompts, MAX_NEW_TOKENS, engine.end_ids)
+    got = [s.output_ids for s in engine.generate([Sequence(input_ids=ids) for ids in prompts])]
+    assert got == want, f"{got=} {want=}"
+    drift = run_drift_verification(engine.lora_targets, engine.pristine_lora_weights, peft_model, iterations=3)
+    assert drift["passed"], drift
+    got_again = [s.output_ids for s in engine.generate([Sequence(input_ids=ids) for ids in prompts])]
+    assert got_again == want
