@@ -1,0 +1,125 @@
+"""LoRA double-copy on the base engine: merged from pristine weights, refreshed in place, no drift."""
+
+import pytest
+import torch
+from peft import PeftModel
+
+from conftest import hf_greedy, load_hf, random_prompts
+from qwen3_flex_inference import (
+    FlexInference,
+    Sequence,
+    lora_layers,
+    refresh_lora_merge_from_pristine,
+    run_drift_verification,
+    sha256_of,
+)
+
+MAX_NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_dir):
+    path = tiny_dir / "qwen3"
+    peft_model = PeftModel.from_pretrained(load_hf(path), path / "lora")
+    engine = FlexInference(
+        peft_model, None, max_batch_size=4, max_seq_length=256, n_pages=64, page_size=16, max_new_tokens=MAX_NEW_TOKENS, peft_model=peft_model
+    )
+    prompts = random_prompts([6, 40, 23], peft_model.config.vocab_size, seed=5)
+    return dict(path=path, peft_model=peft_model, engine=engine, prompts=prompts)
+
+
+def hf_peft_merged_tokens(setup, adapter_state=None):
+    """Reference: a fresh HF model + the adapter (optionally with other LoRA weights), PEFT-merged."""
+    reference = PeftModel.from_pretrained(load_hf(setup["path"]), setup["path"] / "lora")
+    if adapter_state is not None:
+        reference.load_state_dict(adapter_state, strict=False)
+    merged = reference.merge_and_unload()
+    return hf_greedy(merged, setup["prompts"], MAX_NEW_TOKENS, setup["engine"].end_ids)
+
+
+def engine_tokens(setup):
+    return [s.output_ids for s in setup["engine"].generate([Sequence(input_ids=ids) for ids in setup["prompts"]])]
+
+
+def test_engine_with_adapter_equals_hf_peft_merged(setup):
+    want = hf_peft_merged_tokens(setup)
+    base = hf_greedy(load_hf(setup["path"]), setup["prompts"], MAX_NEW_TOKENS, setup["engine"].end_ids)
+    assert want != base, "the adapter does not change the output: the test would prove nothing"
+    assert engine_tokens(setup) == want
+
+
+def test_refresh_after_adapter_change_follows_and_keeps_pristine_weights(setup):
+    engine, peft_model = setup["engine"], setup["peft_model"]
+    pristine_hash = sha256_of(engine.pristine_lora_weights)
+    storage_before = {name: w.data_ptr() for name, w in engine.lora_targets.items()}
+    original = {k: v.clone() for k, v in peft_model.state_dict().items() if "lora_" in k}
+    try:
+        with torch.no_grad():
+            for layer in lora_layers(peft_model).values():
+                layer.lora_B["default"].weight.mul_(-1.5)
+        changed = {k: v.clone() for k, v in peft_model.state_dict().items() if "lora_" in k}
+        engine.refresh_lora()
+        want = hf_peft_merged_tokens(setup, changed)
+        assert engine_tokens(setup) == want
+    finally:
+        peft_model.load_state_dict(original, strict=False)
+        engine.refresh_lora()
+    assert sha256_of(engine.pristine_lora_weights) == pristine_hash, "the pristine weights changed"
+    assert {name: w.data_ptr() for name, w in engine.lora_targets.items()} == storage_before, "refresh reallocated weights"
+    assert engine_tokens(setup) == hf_peft_merged_tokens(setup)
+
+
+def test_pristine_copies_hold_only_the_lora_target_weights(setup):
+    engine = setup["engine"]
+    target_bytes = sum(w.numel() * w.element_size() for w in engine.lora_targets.values())
+    pristine_bytes = sum(w.numel() * w.element_size() for w in engine.pristine_lora_weights.values())
+    model_bytes = sum(p.numel() * p.element_size() for p in engine.causal_lm.parameters())
+    assert pristine_bytes == target_bytes < model_bytes
+    assert set(engine.pristine_lora_weights) == {n.removeprefix("base_model.model.") for n in lora_layers(setup["peft_model"])}
+
+
+def test_drift_verification_passes(setup):
+    engine = setup["engine"]
+    result = run_drift_verification(engine.lora_targets, engine.pristine_lora_weights, setup["peft_model"], iterations=4)
+    assert result["passed"], result
+    assert result["iterations"] == 4 and len(set(result["merged_sha256_per_iteration"])) == 4
+    assert engine_tokens(setup) == hf_peft_merged_tokens(setup)
+
+
+def test_drift_verification_fails_when_a_refresh_touches_the_pristine_weights(setup, monkeypatch):
+    import qwen3_flex_inference
+
+    engine = setup["engine"]
+    pristine = {name: w.clone() for name, w in engine.pristine_lora_weights.items()}
+    name = next(iter(pristine))
+
+    def drifting_refresh(targets, pristine_weights, peft_model, adapter_name=None):
+        refresh_lora_merge_from_pristine(targets, pristine_weights, peft_model, adapter_name)
+        pristine_weights[name].add_(1e-3)  # what an unmerge-based refresh does to the base, in effect
+
+    monkeypatch.setattr(qwen3_flex_inference, "refresh_lora_merge_from_pristine", drifting_refresh)
+    result = run_drift_verification(engine.lora_targets, pristine, setup["peft_model"], iterations=2)
+    monkeypatch.undo()
+    engine.refresh_lora()
+    assert not result["passed"] and not result["pristine_unchanged"], result
+
+
+def test_peft_merge_unmerge_cycle_drifts_in_bf16(tiny_dir):
+    """The failure the double-copy avoids: PEFT's merge/unmerge in bf16 does not return the base."""
+    path = tiny_dir / "qwen3"
+    peft_model = PeftModel.from_pretrained(load_hf(path, dtype=torch.bfloat16), path / "lora")
+    base = {n: layer.base_layer.weight for n, layer in lora_layers(peft_model).items()}
+    before = sha256_of(base)
+    for _ in range(5):
+        peft_model.merge_adapter()
+        peft_model.unmerge_adapter()
+    assert sha256_of(base) != before, "PEFT's bf16 merge/unmerge cycle did not drift"
+
+
+def test_unmerged_peft_wrapper_matches_merged_engine(setup, tiny_dir):
+    path = setup["path"]
+    unmerged = PeftModel.from_pretrained(load_hf(path), path / "lora")
+    engine = FlexInference(unmerged, None, max_batch_size=4, max_seq_length=256, n_pages=64, page_size=16, max_new_tokens=MAX_NEW_TOKENS)
+    got = [s.output_ids for s in engine.generate([Sequence(input_ids=ids) for ids in setup["prompts"]])]
+    assert not any(layer.merged for layer in lora_layers(unmerged).values())
+    assert got == hf_peft_merged_tokens(setup)
