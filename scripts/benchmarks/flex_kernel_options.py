@@ -1,0 +1,120 @@
+"""Which flex_attention kernel options compile and run at head_dim 256 and 512, prefill and decode.
+
+Gemma-4-E2B shape: 8 query heads, 1 KV head, bf16. Prefill: one packed row of 4096 tokens with a
+causal mask. Decode: 64 rows of one token over a paged pool of 256 pages of 128 tokens, each row
+seeing 8 pages. Each candidate is checked against SDPA (float32 math) and timed with CUDA events.
+
+    python scripts/benchmarks/flex_kernel_options.py --out results.json
+"""
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+PREFILL_CANDIDATES = [
+    {},
+    {"BLOCK_M": 64, "BLOCK_N": 64},
+    {"BLOCK_M": 64, "BLOCK_N": 32},
+    {"BLOCK_M": 32, "BLOCK_N": 32},
+    {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 1},
+    {"BLOCK_M": 64, "BLOCK_N": 32, "num_stages": 1},
+    {"BLOCK_M": 32, "BLOCK_N": 32, "num_stages": 1},
+    {"BLOCK_M": 128, "BLOCK_N": 32, "num_stages": 1, "num_warps": 8},
+]
+DECODE_CANDIDATES = [
+    {},
+    {"BLOCK_N": 64, "num_stages": 1},
+    {"BLOCK_N": 32},
+    {"BLOCK_N": 32, "num_stages": 1},
+    {"BLOCK_N": 16, "num_stages": 1},
+    {"BLOCK_N": 64, "num_stages": 2, "num_warps": 8},
+    {"BLOCK_N": 32, "num_stages": 2},
+]
+
+
+def time_ms(fn, iters=20):
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def reference(q, k, v, mask_dense):
+    k = k.expand(-1, q.shape[1], -1, -1)
+    v = v.expand(-1, q.shape[1], -1, -1)
+    return torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask_dense, scale=1.0)
+
+
+def try_options(compiled, q, k, v, block_mask, options, want):
+    torch._dynamo.reset()
+    try:
+        start = time.perf_counter()
+        out = compiled(q, k, v, block_mask=block_mask, scale=1.0, enable_gqa=True, kernel_options=options)
+        torch.cuda.synchronize()
+        compile_s = time.perf_counter() - start
+        err = ((out.float() - want).norm() / want.norm()).item()
+        ms = time_ms(lambda: compiled(q, k, v, block_mask=block_mask, scale=1.0, enable_gqa=True, kernel_options=options))
+        return {"ok": err < 2e-2, "rel_err": err, "ms": ms, "compile_s": compile_s}
+    except Exception as error:  # report every failure mode, e.g. "out of resource"
+        return {"ok": False, "error": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    compiled = torch.compile(flex_attention, fullgraph=True)
+    results = []
+    for head_dim in (256, 512):
+        # Prefill: [1, 8, T, D] causal.
+        T = 4096
+        q = torch.randn(1, 8, T, head_dim, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(1, 1, T, head_dim, device="cuda", dtype=torch.bfloat16) / head_dim**0.5
+        v = torch.randn(1, 1, T, head_dim, device="cuda", dtype=torch.bfloat16)
+        causal = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, T, T, device="cuda")
+        dense = torch.ones(T, T, device="cuda", dtype=torch.bool).tril()
+        want = reference(q, k, v, dense)
+        for options in PREFILL_CANDIDATES:
+            row = {"mode": "prefill", "head_dim": head_dim, "options": options, **try_options(compiled, q, k, v, causal, options, want)}
+            results.append(row)
+            print(json.dumps(row), flush=True)
+        # Decode: [64, 8, 1, D] over a [1, 1, 256 * 128, D] pool, 8 pages per row.
+        B, page_size, n_pages, pages_per_row = 64, 128, 256, 8
+        q = torch.randn(B, 8, 1, head_dim, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(1, 1, n_pages * page_size, head_dim, device="cuda", dtype=torch.bfloat16) / head_dim**0.5
+        v = torch.randn(1, 1, n_pages * page_size, head_dim, device="cuda", dtype=torch.bfloat16)
+        pages = torch.randint(1, n_pages, (B, pages_per_row), device="cuda")  # each row sees 8 pages
+        owner = torch.zeros(B, n_pages, dtype=torch.bool, device="cuda")
+        owner.scatter_(1, pages, True)
+
+        def mask_mod(b, h, qi, ki):
+            return owner[b, ki // page_size]
+
+        block_mask = create_block_mask(mask_mod, B, None, 1, n_pages * page_size, device="cuda", BLOCK_SIZE=page_size)
+        dense = owner.repeat_interleave(page_size, dim=1)[:, None, None, :]
+        want = torch.cat([reference(q[b : b + 1], k, v, dense[b : b + 1]) for b in range(B)])
+        for options in DECODE_CANDIDATES:
+            row = {"mode": "decode", "head_dim": head_dim, "options": options, **try_options(compiled, q, k, v, block_mask, options, want)}
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"torch": torch.__version__, "device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
+    print(f"{'mode':8} {'D':>4} {'ok':>3} {'ms':>8}  options / error")
+    for row in results:
+        print(f"{row['mode']:8} {row['head_dim']:>4} {str(row['ok'])[0]:>3} {row.get('ms', float('nan')):8.3f}  {row['options']} {row.get('error', '')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

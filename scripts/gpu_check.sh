@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# GPU tests and benchmarks in one call; everything lands under $OUT (default: ./out).
+#   scripts/gpu_check.sh [kernels] [tests] [bench]     (no argument: all three)
+# kernels: which flex_attention kernel options work at head_dim 256/512 (prefill and decode)
+# tests:   tests/test_gpu.py (float32 tokens = HF eager and with CUDA graphs; bf16 eager = graph)
+# bench:   the CLIs with --capture_cudagraph on tiny checkpoints and --load_format dummy models
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out}
+mkdir -p "$OUT/stats"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+phases=${*:-kernels tests bench}
+if ls .whl/bitsandbytes-*.whl >/dev/null 2>&1 && ! $PY -c "import bitsandbytes" 2>/dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+
+run() {  # run NAME CMD...: logs the command, its status and its time
+  local name=$1; shift
+  echo "== $name: $*"
+  local start=$SECONDS
+  "$@"
+  echo "== $name: exit $? after $((SECONDS - start)) s"
+}
+
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+  $PY scripts/make_tiny_checkpoints.py
+  tiny=checkpoints/tiny
+  common="--device cuda --quiet --n_rounds 2"
+  for phase in $phases; do
+    case $phase in
+      kernels)
+        run kernel_options $PY scripts/benchmarks/flex_kernel_options.py --out "$OUT/kernel_options.json" ;;
+      tests)
+        run gpu_tests $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py ;;
+      bench)
+        run qwen3_tiny_graph $PY qwen3_flex_inference.py --model_name $tiny/qwen3 $common --dtype float32 --capture_cudagraph \
+          --n_prompts 16 --max_batch_size 8 --max_seq_length 512 --n_pages 64 --page_size 16 --max_new_tokens 64 --stats_path "$OUT/stats/qwen3_tiny_graph.json"
+        run gemma4_tiny_lora_graph $PY gemma4_flex_inference.py --model_name $tiny/gemma4 $common --dtype float32 --capture_cudagraph \
+          --lora_adapter $tiny/gemma4_text/lora --verify_no_drift --n_prompts 16 --max_batch_size 8 --max_seq_length 512 --n_pages 64 --page_size 16 \
+          --max_new_tokens 64 --stats_path "$OUT/stats/gemma4_tiny_lora_graph.json"
+        run qwen3_tiny_4bit $PY qwen3_flex_inference.py --model_name $tiny/qwen3 $common --dtype bfloat16 --load_in_4bit --no_merge_lora \
+          --lora_adapter $tiny/qwen3/lora --n_prompts 8 --max_batch_size 8 --max_seq_length 512 --n_pages 64 --page_size 16 --max_new_tokens 32 \
+          --stats_path "$OUT/stats/qwen3_tiny_4bit.json"
+        for mode in graph eager; do
+          flag=$([ $mode = graph ] && echo --capture_cudagraph)
+          run qwen3_4b_b64_$mode $PY qwen3_flex_inference.py --model_name unsloth/Qwen3-4B-Base --load_format dummy $common $flag \
+            --n_prompts 64 --max_batch_size 64 --max_seq_length 1024 --n_pages 1024 --max_new_tokens 128 --stats_path "$OUT/stats/qwen3_4b_b64_$mode.json"
+          run gemma4_e2b_b64_$mode $PY gemma4_flex_inference.py --load_format dummy $common $flag \
+            --n_prompts 64 --max_batch_size 64 --max_seq_length 1024 --n_pages 1024 --max_new_tokens 128 --stats_path "$OUT/stats/gemma4_e2b_b64_$mode.json"
+        done
+        run gemma4_e2b_b1_graph $PY gemma4_flex_inference.py --load_format dummy $common --capture_cudagraph \
+          --n_prompts 2 --max_batch_size 1 --max_seq_length 1024 --n_pages 64 --max_new_tokens 128 --stats_path "$OUT/stats/gemma4_e2b_b1_graph.json"
+        ;;
+    esac
+  done
+  # One file for all CLI stats (the device tool brings back at most 8 files).
+  $PY - "$OUT" <<'PYEOF'
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+stats = {p.stem: json.loads(p.read_text()) for p in sorted((out / "stats").glob("*.json"))}
+if stats:
+    (out / "cli_stats.json").write_text(json.dumps(stats, indent=1))
+for name, s in stats.items():
+    print(f"{name:28} {s['decode_tps_median']:10.0f} tok/s  median {s['median_wall_s']:7.2f} s  peak {s['peak_memory_gb']:6.2f} GB  capture {s.get('capture_s') or 0:5.1f} s  tokens {s['n_decoded_tokens']}")
+PYEOF
+  rm -rf "$OUT/stats"
+} 2>&1 | tee "$OUT/gpu_check.log"

@@ -1,0 +1,74 @@
+"""GPU-only checks (skipped without CUDA): exact float32 tokens eager and under CUDA graphs, and
+bf16 Gemma-4-E2B-shaped decode where eager and graph decode must agree. Run by scripts/gpu_check.sh."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import ROOT, load_hf, random_prompts
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+MAX_NEW_TOKENS = 24
+
+
+def engine_class(name):
+    if name.startswith("gemma4"):
+        from gemma4_flex_inference import FlexGemma4Inference
+
+        return FlexGemma4Inference
+    from qwen3_flex_inference import FlexInference
+
+    return FlexInference
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama", "gemma4_text"])
+def test_float32_tokens_match_hf_eager_and_with_cuda_graphs(tiny_dir, name):
+    from qwen3_flex_inference import Sequence
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    path = tiny_dir / name
+    hf = load_hf(path).cuda()
+    prompts = random_prompts([5, 70, 17, 33, 48, 3, 90, 21, 120, 8], hf.config.vocab_size, seed=7)
+    engine = engine_class(name)(load_hf(path).cuda(), None, max_batch_size=8, max_seq_length=256, n_pages=24, page_size=16, max_new_tokens=MAX_NEW_TOKENS)
+    want = []
+    for ids in prompts:  # HF reference on the GPU, float32, no KV cache
+        want.append(_rollout_cuda(hf, ids, engine.end_ids))
+    for use_graph in (False, True):
+        sequences = engine.generate([Sequence(input_ids=ids) for ids in prompts], capture_cudagraph=use_graph)
+        for i, (seq, w) in enumerate(zip(sequences, want)):
+            assert seq.output_ids == w, f"{name} {use_graph=} prompt {i}: {seq.output_ids=} {w=}"
+    assert sum(seq.num_preemptions for seq in sequences) > 0, "expected the small pool to force preemption"
+
+
+def _rollout_cuda(model, ids, end_ids):
+    tokens = list(ids)
+    for _ in range(MAX_NEW_TOKENS):
+        with torch.no_grad():
+            next_id = int(model(torch.tensor([tokens], device="cuda")).logits[0, -1].argmax())
+        tokens.append(next_id)
+        if next_id in end_ids:
+            break
+    return tokens[len(ids):]
+
+
+@pytest.mark.parametrize("preset, batch_size", [("unsloth__gemma-4-E2B-it", 1), ("unsloth__gemma-4-E2B-it", 64), ("unsloth__Qwen3-4B-Base", 64)])
+def test_bf16_dummy_model_eager_and_graph_decode_agree(preset, batch_size):
+    """Real architecture (E2B: head_dim 256 and 512), random weights, default kernel options."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from qwen3_flex_inference import Sequence
+
+    config = AutoConfig.for_model(**json.loads((ROOT / f"scripts/presets/{preset}.json").read_text()))
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    cls = engine_class("gemma4" if "gemma" in preset else "qwen3")
+    engine = cls(model, None, max_batch_size=64, max_seq_length=1024, n_pages=1024, page_size=128, max_new_tokens=64)
+    engine.end_ids = set()  # random weights: run every sequence the full length
+    prompts = random_prompts([128] * batch_size, config.vocab_size, seed=8)
+    eager = [s.output_ids for s in engine.generate([Sequence(input_ids=ids) for ids in prompts])]
+    graph = [s.output_ids for s in engine.generate([Sequence(input_ids=ids) for ids in prompts], capture_cudagraph=True)]
+    assert all(len(o) == 64 for o in eager)
+    assert eager == graph
