@@ -44,15 +44,14 @@ run() {  # run NAME CMD...: logs the command, its status and its time
         run qwen3_tiny_4bit $PY qwen3_flex_inference.py --model_name $tiny/qwen3 $common --dtype bfloat16 --load_in_4bit --no_merge_lora \
           --lora_adapter $tiny/qwen3/lora --n_prompts 8 --max_batch_size 8 --max_seq_length 512 --n_pages 64 --page_size 16 --max_new_tokens 32 \
           --stats_path "$OUT/stats/qwen3_tiny_4bit.json"
-        for mode in graph eager; do
-          flag=$([ $mode = graph ] && echo --capture_cudagraph)
-          run qwen3_4b_b64_$mode $PY qwen3_flex_inference.py --model_name unsloth/Qwen3-4B-Base --load_format dummy $common $flag \
-            --n_prompts 64 --max_batch_size 64 --max_seq_length 1024 --n_pages 1024 --max_new_tokens 128 --stats_path "$OUT/stats/qwen3_4b_b64_$mode.json"
-          run gemma4_e2b_b64_$mode $PY gemma4_flex_inference.py --load_format dummy $common $flag \
-            --n_prompts 64 --max_batch_size 64 --max_seq_length 1024 --n_pages 1024 --max_new_tokens 128 --stats_path "$OUT/stats/gemma4_e2b_b64_$mode.json"
-        done
+        run gemma4_e2b_b64_graph $PY gemma4_flex_inference.py --load_format dummy $common --capture_cudagraph \
+          --n_prompts 64 --max_batch_size 64 --max_seq_length 1024 --n_pages 1024 --max_new_tokens 128 --stats_path "$OUT/stats/gemma4_e2b_b64_graph.json"
         run gemma4_e2b_b1_graph $PY gemma4_flex_inference.py --load_format dummy $common --capture_cudagraph \
           --n_prompts 2 --max_batch_size 1 --max_seq_length 1024 --n_pages 64 --max_new_tokens 128 --stats_path "$OUT/stats/gemma4_e2b_b1_graph.json"
+        run qwen3_4b_b64_graph $PY qwen3_flex_inference.py --model_name unsloth/Qwen3-4B-Base --load_format dummy $common --capture_cudagraph \
+          --n_prompts 64 --max_batch_size 64 --max_seq_length 1024 --n_pages 1024 --max_new_tokens 128 --stats_path "$OUT/stats/qwen3_4b_b64_graph.json"
+        run gemma4_e2b_b64_eager $PY gemma4_flex_inference.py --load_format dummy $common \
+          --n_prompts 64 --max_batch_size 64 --max_seq_length 1024 --n_pages 1024 --max_new_tokens 128 --stats_path "$OUT/stats/gemma4_e2b_b64_eager.json"
         ;;
     esac
   done
@@ -64,7 +63,7 @@ stats = {p.stem: json.loads(p.read_text()) for p in sorted((out / "stats").glob(
 if stats:
     (out / "cli_stats.json").write_text(json.dumps(stats, indent=1))
 for name, s in stats.items():
-    print(f"{name:28} {s['decode_tps_median']:10.0f} tok/s  median {s['median_wall_s']:7.2f} s  peak {s['peak_memory_gb']:6.2f} GB  capture {s.get('capture_s') or 0:5.1f} s  tokens {s['n_decoded_tokens']}")
+    print(f"{name:28} {s['decode_tps_median']:10.0f} tok/s  decode steps {s['decode_step_tps']:8.0f} tok/s  prefill {s['prefill_tps']:8.0f} tok/s  median {s['median_wall_s']:7.2f} s  peak {s['peak_memory_gb']:6.2f} GB  capture {s.get('capture_s') or 0:5.1f} s  tokens {s['n_decoded_tokens']}")
 PYEOF
   rm -rf "$OUT/stats"
 } 2>&1 | tee "$OUT/gpu_check.log"

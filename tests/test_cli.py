@@ -79,8 +79,50 @@ def exit_message(module, argv) -> str:
     return code
 
 
-def run_process(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+# Tests about the process itself -> the command line they run (`python ARGS`, cwd = repo root).
+PROCESS_RUNS = {
+    "test_missing_model_path_exits_with_one_sentence_in_a_subprocess": [
+        "qwen3_flex_inference.py", "--model_name", "./no/such/dir", "--device", "cpu",
+    ],
+    "test_decode_kernel_options_not_json_exits_with_one_sentence_in_a_subprocess": [
+        "qwen3_flex_inference.py", "--device", "cpu", "--decode_kernel_options", "{bad",
+    ],
+    "test_gemma4_help_works_in_a_subprocess": ["gemma4_flex_inference.py", "--help"],
+    "test_gemma4_help_works_in_a_subprocess_without_the_gemma4_module": [
+        "-c",
+        "import sys\n"
+        f"sys.modules[{GEMMA4_MODULE!r}] = None  # import raises ImportError\n"
+        "import gemma4_flex_inference\n"
+        "gemma4_flex_inference.main(['--help'])\n",
+    ],
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module", autouse=True)
+def processes(request):
+    """Starts the subprocesses of the selected tests of PROCESS_RUNS at once, in the background.
+
+    Each pays ~5 s of imports before it fails (or prints --help); started early they overlap with
+    each other and with the in-process runs instead of adding up.
+    """
+    selected = {item.name for item in request.session.items if item.module.__name__ == __name__}
+    started = {
+        name: subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for name, args in PROCESS_RUNS.items()
+        if name in selected
+    }
+    yield started
+    for process in started.values():
+        if process.poll() is None:
+            process.kill()
+        process.communicate()
+
+
+def finish_process(processes: dict, test_name: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Waits for the subprocess started for `test_name`; returns its exit code, stdout and stderr."""
+    process = processes[test_name]
+    stdout, stderr = process.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
 def assert_process_fails_with_one_sentence(result: subprocess.CompletedProcess, *keywords) -> None:
@@ -217,7 +259,9 @@ def gemma4_runs(tiny_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gemma4")
     runs = {}
     for name, n_rounds in (("gemma4", 2), ("gemma4_text", 1)):
-        argv = cli_argv(tiny_dir / name, "--chat_template", "auto", n_rounds=n_rounds)
+        # NOTE: one batch slot per prompt: a single prefill and a single decode bucket to compile
+        # (two attention regimes each), which halves the cold-cache compile time of this fixture.
+        argv = cli_argv(tiny_dir / name, "--chat_template", "auto", "--max_batch_size", str(N_PROMPTS), n_rounds=n_rounds)
         runs[name] = dict(argv=argv, n_rounds=n_rounds, stats=run_cli(gemma4_flex_inference, argv, tmp / f"{name}.json"))
     return runs
 
@@ -249,14 +293,14 @@ def test_gemma4_cli_auto_chat_template_is_native_and_matches_hf_greedy(tiny_dir,
 # ---------------------------------------------------------------------------------------------
 
 
-def test_missing_model_path_exits_with_one_sentence_in_a_subprocess():
-    result = run_process(["qwen3_flex_inference.py", "--model_name", "./no/such/dir", "--device", "cpu"])
+def test_missing_model_path_exits_with_one_sentence_in_a_subprocess(processes):
+    result = finish_process(processes, "test_missing_model_path_exits_with_one_sentence_in_a_subprocess")
     assert_process_fails_with_one_sentence(result, "./no/such/dir", "does not exist")
 
 
-def test_decode_kernel_options_not_json_exits_with_one_sentence_in_a_subprocess():
-    result = run_process(["qwen3_flex_inference.py", "--device", "cpu", "--decode_kernel_options", "{bad"])
-    assert_process_fails_with_one_sentence(result, "--decode_kernel_options", "JSON")
+def test_decode_kernel_options_not_json_exits_with_one_sentence_in_a_subprocess(processes):
+    result = finish_process(processes, "test_decode_kernel_options_not_json_exits_with_one_sentence_in_a_subprocess")
+    assert_process_fails_with_one_sentence(result, "--decode_kernel_options", "not valid JSON")
 
 
 @pytest.mark.parametrize(
@@ -364,21 +408,15 @@ def test_require_gemma4_exits_with_install_hint_when_gemma4_cannot_be_imported(m
     assert_one_sentence(message, "transformers >= 5.5")
 
 
-def test_gemma4_help_works_in_a_subprocess():
-    result = run_process(["gemma4_flex_inference.py", "--help"])
+def test_gemma4_help_works_in_a_subprocess(processes):
+    result = finish_process(processes, "test_gemma4_help_works_in_a_subprocess")
     assert result.returncode == 0, f"exit code {result.returncode}; stderr={result.stderr!r}"
     assert "--model_name" in result.stdout, result.stdout
     assert "Traceback" not in result.stderr, result.stderr
 
 
-def test_gemma4_help_works_in_a_subprocess_without_the_gemma4_module():
-    code = (
-        "import sys\n"
-        f"sys.modules[{GEMMA4_MODULE!r}] = None\n"
-        "import gemma4_flex_inference\n"
-        "gemma4_flex_inference.main(['--help'])\n"
-    )
-    result = run_process(["-c", code])
+def test_gemma4_help_works_in_a_subprocess_without_the_gemma4_module(processes):
+    result = finish_process(processes, "test_gemma4_help_works_in_a_subprocess_without_the_gemma4_module")
     assert result.returncode == 0, f"exit code {result.returncode}; stderr={result.stderr!r}"
     assert "--model_name" in result.stdout, result.stdout
     assert "Traceback" not in result.stderr, result.stderr
