@@ -1105,7 +1105,7 @@ def load_causal_lm(args, device, dtype, model_class=None, config_hook=None):
             raise SystemExit("--load_in_4bit quantises real weights while loading; it cannot be combined with --load_format dummy")
         torch.manual_seed(args.seed)
         with torch.device(device):
-            model = model_class.from_config(config, dtype=dtype, attn_implementation="eager")
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
         return model.eval()
     check_model_path(args.model_name)
     kwargs = dict(dtype=dtype, attn_implementation="eager", trust_remote_code=args.trust_remote_code)
@@ -1229,7 +1229,9 @@ def run_cli(args, engine_class=None, load_model=None, default_chat_template: str
 
     start = time.perf_counter()
     model = load_model(args, device, dtype)
-    tokenizer = load_tokenizer(args.model_name, args.trust_remote_code, required=args.load_format != "dummy")
+    # Dummy weights take a tokenizer only from a local folder: a preset needs no network.
+    is_dummy = args.load_format == "dummy"
+    tokenizer = None if is_dummy and not os.path.isdir(args.model_name) else load_tokenizer(args.model_name, args.trust_remote_code, required=not is_dummy)
     model, peft_model = attach_lora(model, args)
     load_s = time.perf_counter() - start
     _say(args, f"loaded {args.model_name} in {load_s:.1f} s")

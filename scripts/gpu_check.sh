@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks in one call; everything lands under $OUT (default: ./out).
-#   scripts/gpu_check.sh [kernels] [tests] [bench]     (no argument: all three)
+#   scripts/gpu_check.sh [kernels] [tests] [bench] [e2b]     (no argument: all four)
 # kernels: which flex_attention kernel options work at head_dim 256/512 (prefill and decode)
 # tests:   tests/test_gpu.py (float32 tokens = HF eager and with CUDA graphs; bf16 eager = graph)
-# bench:   the CLIs with --capture_cudagraph on tiny checkpoints and --load_format dummy models
+# bench:   the CLIs on tiny checkpoints (CUDA graphs, LoRA + drift check, 4-bit) and a dummy Qwen3-4B
+# e2b:     the Gemma CLI on the E2B architecture (--load_format dummy, bf16), batch 64 and 1
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
 mkdir -p "$OUT/stats"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
-phases=${*:-kernels tests bench}
+phases=${*:-kernels tests bench e2b}
 if ls .whl/bitsandbytes-*.whl >/dev/null 2>&1 && ! $PY -c "import bitsandbytes" 2>/dev/null; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
@@ -44,12 +45,14 @@ run() {  # run NAME CMD...: logs the command, its status and its time
         run qwen3_tiny_4bit $PY qwen3_flex_inference.py --model_name $tiny/qwen3 $common --dtype bfloat16 --load_in_4bit --no_merge_lora \
           --lora_adapter $tiny/qwen3/lora --n_prompts 8 --max_batch_size 8 --max_seq_length 512 --n_pages 64 --page_size 16 --max_new_tokens 32 \
           --stats_path "$OUT/stats/qwen3_tiny_4bit.json"
+        run qwen3_4b_b64_graph $PY qwen3_flex_inference.py --model_name unsloth/Qwen3-4B-Base --load_format dummy $common --capture_cudagraph \
+          --n_prompts 64 --max_batch_size 64 --max_seq_length 1024 --n_pages 1024 --max_new_tokens 128 --stats_path "$OUT/stats/qwen3_4b_b64_graph.json"
+        ;;
+      e2b)
         run gemma4_e2b_b64_graph $PY gemma4_flex_inference.py --load_format dummy $common --capture_cudagraph \
           --n_prompts 64 --max_batch_size 64 --max_seq_length 1024 --n_pages 1024 --max_new_tokens 128 --stats_path "$OUT/stats/gemma4_e2b_b64_graph.json"
         run gemma4_e2b_b1_graph $PY gemma4_flex_inference.py --load_format dummy $common --capture_cudagraph \
           --n_prompts 2 --max_batch_size 1 --max_seq_length 1024 --n_pages 64 --max_new_tokens 128 --stats_path "$OUT/stats/gemma4_e2b_b1_graph.json"
-        run qwen3_4b_b64_graph $PY qwen3_flex_inference.py --model_name unsloth/Qwen3-4B-Base --load_format dummy $common --capture_cudagraph \
-          --n_prompts 64 --max_batch_size 64 --max_seq_length 1024 --n_pages 1024 --max_new_tokens 128 --stats_path "$OUT/stats/qwen3_4b_b64_graph.json"
         run gemma4_e2b_b64_eager $PY gemma4_flex_inference.py --load_format dummy $common \
           --n_prompts 64 --max_batch_size 64 --max_seq_length 1024 --n_pages 1024 --max_new_tokens 128 --stats_path "$OUT/stats/gemma4_e2b_b64_eager.json"
         ;;

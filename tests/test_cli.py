@@ -93,6 +93,12 @@ PROCESS_RUNS = {
         "import sys\n"
         f"sys.modules[{GEMMA4_MODULE!r}] = None  # import raises ImportError\n"
         "import gemma4_flex_inference\n"
+        "try:\n"
+        "    gemma4_flex_inference._require_gemma4()\n"
+        "except SystemExit:\n"
+        "    pass  # the simulated missing module took effect\n"
+        "else:\n"
+        "    sys.exit('the gemma4 module was still importable')\n"
         "gemma4_flex_inference.main(['--help'])\n",
     ],
 }  # fmt: skip
@@ -105,7 +111,8 @@ def processes(request):
     Each pays ~5 s of imports before it fails (or prints --help); started early they overlap with
     each other and with the in-process runs instead of adding up.
     """
-    selected = {item.name for item in request.session.items if item.module.__name__ == __name__}
+    this_module = sys.modules[__name__]
+    selected = {item.name for item in request.session.items if getattr(item, "module", None) is this_module}
     started = {
         name: subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for name, args in PROCESS_RUNS.items()
@@ -306,6 +313,7 @@ def test_decode_kernel_options_not_json_exits_with_one_sentence_in_a_subprocess(
 @pytest.mark.parametrize(
     "flag, value, keyword",
     [("--decode_kernel_options", "{bad", "not valid JSON"), ("--prefill_kernel_options", "[1]", "must be a JSON object")],
+    ids=["decode_not_json", "prefill_json_list"],
 )
 def test_kernel_options_that_are_not_a_json_object_exit_with_one_sentence(tiny_dir, flag, value, keyword):
     message = exit_message(qwen3_flex_inference, cli_argv(tiny_dir / "qwen3", flag, value))
