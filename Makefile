@@ -1,0 +1,28 @@
+# make run  - the main job: the Gemma-4 engine on the embedded tiny multimodal checkpoint (CPU),
+#             or on the real unsloth/gemma-4-E2B-it where a GPU and the hub are there
+# make test - the whole test suite (CPU, float32; GPU-only tests skip without CUDA)
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: install run test checkpoints clean
+
+$(VENV)/.installed: requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	touch $@
+
+install: $(VENV)/.installed
+
+checkpoints: install
+	$(PY) scripts/make_tiny_checkpoints.py
+
+run: checkpoints
+	$(PY) scripts/run_main.py
+
+test: install
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV) checkpoints out
