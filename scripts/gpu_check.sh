@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks in one call; everything lands under $OUT (default: ./out).
-#   scripts/gpu_check.sh [kernels] [tests] [bench] [e2b]     (no argument: all four)
+#   scripts/gpu_check.sh [kernels] [tests] [bench] [e2b] [profile]     (no argument: all five)
 # kernels: which flex_attention kernel options work at head_dim 256/512 (prefill and decode)
 # tests:   tests/test_gpu.py (float32 tokens = HF eager and with CUDA graphs; bf16 eager = graph)
 # bench:   the CLIs on tiny checkpoints (CUDA graphs, LoRA + drift check, 4-bit) and a dummy Qwen3-4B
 # e2b:     the Gemma CLI on the E2B architecture (--load_format dummy, bf16), batch 64 and 1
+# profile: per-kernel GPU time of E2B decode steps and CUDA-graph replay time, batch 1 and 64
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
 mkdir -p "$OUT/stats"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
-phases=${*:-kernels tests bench e2b}
+phases=${*:-kernels tests bench e2b profile}
 if ls .whl/bitsandbytes-*.whl >/dev/null 2>&1 && ! $PY -c "import bitsandbytes" 2>/dev/null; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
@@ -56,6 +57,8 @@ run() {  # run NAME CMD...: logs the command, its status and its time
         run gemma4_e2b_b64_eager $PY gemma4_flex_inference.py --load_format dummy $common \
           --n_prompts 64 --max_batch_size 64 --max_seq_length 1024 --n_pages 1024 --max_new_tokens 128 --stats_path "$OUT/stats/gemma4_e2b_b64_eager.json"
         ;;
+      profile)
+        run profile_decode $PY scripts/benchmarks/profile_decode.py --batch_sizes 1 64 --out "$OUT/profile_decode.json" ;;
     esac
   done
   # One file for all CLI stats (the device tool brings back at most 8 files).
