@@ -48,6 +48,7 @@ __all__ = [
     "Sequence",
     "flex_attention_compiled",
     "load_gemma4",
+    "load_gemma4_adapter",
     "refresh_lora_merge_from_pristine",
     "run_drift_verification",
 ]
@@ -214,10 +215,41 @@ def load_gemma4(args, device: torch.device, dtype: torch.dtype) -> nn.Module:
     return causal_lm_from_multimodal(multimodal).eval()
 
 
+def load_gemma4_adapter(causal_lm: nn.Module, adapter_path: str):
+    """Loads a PEFT LoRA adapter onto the Gemma4ForCausalLM shell.
+
+    Adapters trained on the multimodal model name their modules `model.language_model.*`; the
+    shell holds the same modules as `model.*`, so such an adapter's weights are renamed and its
+    targets become the renamed module names (vision/audio targets cannot exist in the shell).
+    """
+    from pathlib import Path
+
+    from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    weights_path = Path(adapter_path) / "adapter_model.safetensors"
+    if not weights_path.exists():
+        return PeftModel.from_pretrained(causal_lm, adapter_path, is_trainable=False)
+    weights = load_file(weights_path)
+    if not any(".language_model." in key for key in weights):
+        return PeftModel.from_pretrained(causal_lm, adapter_path, is_trainable=False)
+    renamed = {key.replace(".model.language_model.", ".model."): w for key, w in weights.items() if ".language_model." in key}
+    if len(renamed) != len(weights):
+        raise ValueError("the adapter also adapts the vision or audio towers, which the text engine drops")
+    config = LoraConfig.from_pretrained(adapter_path)
+    config.target_modules = sorted({key.removeprefix("base_model.model.").split(".lora_")[0] for key in renamed})
+    config.inference_mode = True
+    peft_model = get_peft_model(causal_lm, config)
+    result = set_peft_model_state_dict(peft_model, renamed)
+    if result.unexpected_keys:
+        raise ValueError(f"adapter weights {result.unexpected_keys[:3]} have no place in the model")
+    return peft_model.eval()
+
+
 def main(argv=None) -> None:
     args = build_arg_parser("unsloth/gemma-4-E2B-it", "Greedy rollouts for Gemma-4 on flex_attention.").parse_args(argv)
     _require_gemma4()
-    run_cli(args, FlexGemma4Inference, load_gemma4, default_chat_template="native")
+    run_cli(args, FlexGemma4Inference, load_gemma4, default_chat_template="native", load_adapter=load_gemma4_adapter)
 
 
 if __name__ == "__main__":

@@ -1129,7 +1129,13 @@ def load_causal_lm(args, device, dtype, model_class=None, config_hook=None):
     return model.eval()
 
 
-def attach_lora(model, args):
+def load_peft_adapter(model, adapter_path: str):
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(model, adapter_path, is_trainable=False)
+
+
+def attach_lora(model, args, load_adapter=None):
     """Wraps `model` with the adapter at --lora_adapter. Returns (model to run, peft model or None)."""
     if args.lora_adapter is None:
         if args.verify_no_drift:
@@ -1141,10 +1147,8 @@ def attach_lora(model, args):
         raise SystemExit("a LoRA adapter cannot be merged into 4-bit weights: add --no_merge_lora")
     if args.verify_no_drift and args.no_merge_lora:
         raise SystemExit("--verify_no_drift checks the merged double-copy; drop --no_merge_lora")
-    from peft import PeftModel
-
     try:
-        peft_model = PeftModel.from_pretrained(model, args.lora_adapter, is_trainable=False)
+        peft_model = (load_adapter or load_peft_adapter)(model, args.lora_adapter)
     except (ValueError, KeyError, RuntimeError) as error:
         raise SystemExit(f"the adapter at {args.lora_adapter} does not fit this model: {str(error).strip().splitlines()[0]}")
     peft_model.eval()
@@ -1208,7 +1212,7 @@ def peak_memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
 
 
-def run_cli(args, engine_class=None, load_model=None, default_chat_template: str = "grpo") -> dict:
+def run_cli(args, engine_class=None, load_model=None, default_chat_template: str = "grpo", load_adapter=None) -> dict:
     """Loads the model, builds the engine, generates --n_rounds times, prints one summary line."""
     engine_class = engine_class or FlexInference
     load_model = load_model or load_causal_lm
@@ -1232,7 +1236,7 @@ def run_cli(args, engine_class=None, load_model=None, default_chat_template: str
     # Dummy weights take a tokenizer only from a local folder: a preset needs no network.
     is_dummy = args.load_format == "dummy"
     tokenizer = None if is_dummy and not os.path.isdir(args.model_name) else load_tokenizer(args.model_name, args.trust_remote_code, required=not is_dummy)
-    model, peft_model = attach_lora(model, args)
+    model, peft_model = attach_lora(model, args, load_adapter)
     load_s = time.perf_counter() - start
     _say(args, f"loaded {args.model_name} in {load_s:.1f} s")
 
