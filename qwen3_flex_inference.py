@@ -559,6 +559,12 @@ class FlexInference:
         for attn in self._attention_layers():
             attn.forward = qwen3_llama_attention_forward.__get__(attn)
 
+    def restore_model(self) -> None:
+        """Gives the model back its own attention forwards (HF generate works again); the engine
+        is unusable afterwards."""
+        for attn in self._attention_layers():
+            attn.__dict__.pop("forward", None)
+
     def _forward_hidden(self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor, step: FlexStep) -> torch.Tensor:
         """Walks the decoder layers. Returns the final-normed hidden states [B, S, hidden]."""
         hidden_BSE = self.decoder.embed_tokens(input_ids_BS)

@@ -1,0 +1,269 @@
+"""Rollout throughput side by side: this engine and Hugging Face generate, one workload, one GPU.
+
+Systems: `engine_eager` and `engine_graph` (this engine, eager / CUDA-graph decode),
+`hf_dynamic` (generate, dynamic cache), `hf_static_compile` (generate, static cache,
+torch.compile), `hf_cb` (generate_batch continuous batching, where the installed transformers has
+it; an error is recorded when it refuses the model). Workload: a `--load_format dummy` model from
+a preset, bf16, batch sizes 1/8/64, prompts of `--prompt_len` random tokens, `--new_tokens` new
+tokens with end ids ignored so every system does the same work.
+
+Per system and batch: decode tok/s, ms per decode step, fraction of the roofline (bytes one step
+must read / copy bandwidth measured in this run), prefill tok/s, time to first token, warm-up
+(compile) time, peak memory. Writes JSON (`--out`) and prints a markdown table.
+
+    python scripts/benchmarks/bench_rollouts.py --preset unsloth__gemma-4-E2B-it --batch_sizes 1 8 64 --out bench.json
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from qwen3_flex_inference import FlexInference, Sequence  # noqa: E402
+
+SYSTEMS = ["engine_eager", "engine_graph", "hf_dynamic", "hf_static_compile", "hf_cb"]
+
+
+def copy_bandwidth_gbs(device) -> float:
+    """Device-to-device copy: bytes read + bytes written per second (median of 20)."""
+    if device.type != "cuda":
+        return float("nan")
+    src = torch.randn(512 * 2**20, device=device)  # 2 GiB of float32
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * 512 * 2**20 * 4 / sorted(times)[len(times) // 2] / 1e9
+
+
+def build_model(preset: str, device, dtype):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(preset)
+    if path.is_dir():
+        config = AutoConfig.from_pretrained(path)
+        config = getattr(config, "text_config", None) or config
+    else:
+        config = AutoConfig.for_model(**json.loads((ROOT / "scripts/presets" / f"{preset}.json").read_text()))
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager").eval()
+    model.generation_config.eos_token_id = None  # end ids ignored: every system does the same work
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def weight_bytes_per_step(model) -> int:
+    """Bytes of weights one decode step reads: every parameter once (a tied lm_head counts once),
+    except lookup tables that are only gathered (Gemma-4's per-layer-input table)."""
+    total = 0
+    for name, param in model.named_parameters():  # named_parameters yields a tied weight once
+        if "embed_tokens_per_layer" in name:
+            continue
+        total += param.numel() * param.element_size()
+    return total
+
+
+def kv_bytes_per_step(engine, batch_size: int, prompt_len: int, new_tokens: int) -> float:
+    """Average KV bytes one decode step reads: each row's context (window-capped on sliding layers)."""
+    mean_context = prompt_len + new_tokens / 2
+    total = 0.0
+    for layer_idx, attn in enumerate(engine._attention_layers()):
+        cache = engine.kv_caches[getattr(attn, "kv_cache_layer_idx", layer_idx)]
+        window = engine.attention_regimes.get(getattr(attn, "layer_type", "full_attention"))
+        context = min(mean_context, window) if window else mean_context
+        total += cache.bytes_per_token * context
+    return total * batch_size
+
+
+def make_engine(model, batch_size, prompt_len, new_tokens):
+    max_seq_length = -(-(prompt_len + new_tokens + 1) // 128) * 128
+    if "gemma4" in model.config.model_type:
+        from gemma4_flex_inference import FlexGemma4Inference as engine_class
+    else:
+        engine_class = FlexInference
+    page_size = 128 if model.device.type == "cuda" else 16
+    max_seq_length = -(-max_seq_length // page_size) * page_size
+    n_pages = batch_size * (max_seq_length // page_size) + 1
+    engine = engine_class(model, None, max_batch_size=batch_size, max_seq_length=max_seq_length, n_pages=n_pages, page_size=page_size, max_new_tokens=new_tokens)
+    engine.end_ids = set()
+    return engine
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_engine(model, prompts, new_tokens, use_graph):
+    """Warm-up round (compile, capture), then a timed round. Decode/prefill split from the engine."""
+    device = model.device
+    engine = make_engine(model, len(prompts), len(prompts[0]), new_tokens)
+    start = time.perf_counter()
+    engine.generate([Sequence(input_ids=p, max_new_tokens=new_tokens) for p in prompts], capture_cudagraph=use_graph)
+    sync(device)
+    warmup_s = time.perf_counter() - start
+    sync(device)
+    start = time.perf_counter()
+    sequences = engine.generate([Sequence(input_ids=p, max_new_tokens=new_tokens) for p in prompts], capture_cudagraph=use_graph)
+    sync(device)
+    wall_s = time.perf_counter() - start
+    timings = engine.timings
+    num_steps = new_tokens - 1  # the first token comes from prefill
+    result = {
+        "decode_tps": timings["num_decode_tokens"] / timings["decode_s"],
+        "ms_per_step": 1e3 * timings["decode_s"] / num_steps,
+        "prefill_tps": timings["num_prefill_tokens"] / timings["prefill_s"],
+        "ttft_s": timings["prefill_s"],
+        "warmup_s": warmup_s - wall_s,
+        "wall_s": wall_s,
+        "tokens": sum(len(s.output_ids) for s in sequences),
+    }
+    return result, engine
+
+
+def run_hf(model, prompts, new_tokens, mode):
+    """HF generate: time to first token from a max_new_tokens=1 run, decode = the rest."""
+    device = model.device
+    input_ids = torch.tensor(prompts, device=device)
+    kwargs = dict(do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(input_ids))
+    if mode == "hf_static_compile":
+        kwargs["cache_implementation"] = "static"
+        kwargs["compile_config"] = None
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    try:
+        start = time.perf_counter()
+        model.generate(input_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
+        sync(device)
+        warmup_s = time.perf_counter() - start
+        start = time.perf_counter()
+        model.generate(input_ids, max_new_tokens=1, **kwargs)
+        sync(device)
+        ttft_s = time.perf_counter() - start
+        start = time.perf_counter()
+        out = model.generate(input_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
+        sync(device)
+        wall_s = time.perf_counter() - start
+    finally:
+        if mode == "hf_static_compile":
+            del model.forward  # back to the class method
+    decode_s = wall_s - ttft_s
+    num_steps = new_tokens - 1
+    return {
+        "decode_tps": len(prompts) * num_steps / decode_s,
+        "ms_per_step": 1e3 * decode_s / num_steps,
+        "prefill_tps": input_ids.numel() / ttft_s,
+        "ttft_s": ttft_s,
+        "warmup_s": warmup_s - wall_s,
+        "wall_s": wall_s,
+        "tokens": (out.shape[1] - input_ids.shape[1]) * len(prompts),
+    }
+
+
+def run_hf_cb(model, prompts, new_tokens):
+    from transformers import GenerationConfig
+
+    if not hasattr(model, "generate_batch"):
+        return {"error": "this transformers has no generate_batch"}
+    config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0, use_cuda_graph=False)
+    try:
+        start = time.perf_counter()
+        model.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
+        sync(model.device)
+        warmup_s = time.perf_counter() - start
+        start = time.perf_counter()
+        outputs = model.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
+        sync(model.device)
+        wall_s = time.perf_counter() - start
+    except Exception as error:  # e.g. Gemma-4: AmbiguousGlobalPerLayerAttributeError
+        return {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"}
+    tokens = sum(len(o.generated_tokens) for o in outputs.values())
+    return {"decode_tps": tokens / wall_s, "ms_per_step": float("nan"), "prefill_tps": float("nan"), "ttft_s": float("nan"), "warmup_s": warmup_s - wall_s, "wall_s": wall_s, "tokens": tokens}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="unsloth__gemma-4-E2B-it", help="preset name under scripts/presets, or a local checkpoint folder")
+    parser.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS, help="systems to run")
+    parser.add_argument("--batch_sizes", type=int, nargs="+", default=[1, 8, 64], help="decode batch sizes")
+    parser.add_argument("--prompt_len", type=int, default=128, help="prompt tokens per sequence")
+    parser.add_argument("--new_tokens", type=int, default=512, help="new tokens per sequence (end ids ignored)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda or cpu")
+    parser.add_argument("--dtype", default="bfloat16", help="model dtype")
+    parser.add_argument("--out", default=None, help="write all results as JSON here")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    bandwidth = copy_bandwidth_gbs(device)
+    model = build_model(args.preset, device, getattr(torch, args.dtype))
+    weight_bytes = weight_bytes_per_step(model)
+    rows = []
+    for batch_size in args.batch_sizes:
+        generator = torch.Generator().manual_seed(batch_size)
+        prompts = torch.randint(3, model.config.vocab_size, (batch_size, args.prompt_len), generator=generator).tolist()
+        kv_bytes = None
+        for system in args.systems:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            if system.startswith("engine"):
+                if system == "engine_graph" and device.type != "cuda":
+                    continue
+                result, engine = run_engine(model, prompts, args.new_tokens, system == "engine_graph")
+                kv_bytes = kv_bytes_per_step(engine, batch_size, args.prompt_len, args.new_tokens)
+                engine.restore_model()
+                del engine
+            elif system == "hf_cb":
+                result = run_hf_cb(model, prompts, args.new_tokens)
+            else:
+                result = run_hf(model, prompts, args.new_tokens, system)
+            if kv_bytes is not None and "error" not in result:
+                step_bytes = weight_bytes + kv_bytes
+                result["roofline_ms"] = 1e3 * step_bytes / (bandwidth * 1e9)
+                result["roofline_fraction"] = result["roofline_ms"] / result["ms_per_step"]
+            result.update(system=system, batch_size=batch_size)
+            result["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else float("nan")
+            rows.append(result)
+            print(json.dumps(result), flush=True)
+    setup = {
+        "preset": args.preset,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "dtype": args.dtype,
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "copy_bandwidth_gbs": bandwidth,
+        "weight_bytes_per_step": weight_bytes,
+        "command": " ".join(sys.argv),
+    }
+    if args.out:
+        Path(args.out).write_text(json.dumps({"setup": setup, "rows": rows}, indent=1))
+    print(f"\ncopy bandwidth {bandwidth:.0f} GB/s; weights read per step {weight_bytes / 1e9:.2f} GB\n")
+    print("| system | batch | decode tok/s | ms/step | roofline | prefill tok/s | TTFT s | warm-up s | peak GB |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['system']} | {r['batch_size']} | {r['error']} | | | | | | |")
+            continue
+        print(
+            f"| {r['system']} | {r['batch_size']} | {r['decode_tps']:,.0f} | {r['ms_per_step']:.2f} | {r.get('roofline_fraction', float('nan')):.0%} "
+            f"| {r['prefill_tps']:,.0f} | {r['ttft_s']:.3f} | {r['warmup_s']:.1f} | {r['peak_memory_gb']:.2f} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
