@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn.attention.flex_attention import create_block_mask
 
 from qwen3_flex_inference import (
     FULL_ATTENTION,
@@ -34,7 +35,9 @@ from qwen3_flex_inference import (
     _apply_rotary,
     build_arg_parser,
     check_model_path,
+    document_causal_mask_mod,
     flex_attention_compiled,
+    gathered_rows_mask_mod,
     load_causal_lm,
     refresh_lora_merge_from_pristine,
     run_cli,
@@ -69,13 +72,18 @@ def _require_gemma4() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def first_kv_shared_layer(config) -> int:
+    """Index of the first KV-shared layer (num_hidden_layers when none is shared)."""
+    return config.num_hidden_layers - (getattr(config, "num_kv_shared_layers", 0) or 0)
+
+
 def kv_store_layers(config) -> list[int]:
     """For each layer, the layer whose paged cache it attends over (itself unless KV-shared).
 
     A KV-shared layer reads the last non-shared layer of its own attention type (HF's
     `store_full_length_kv` layer).
     """
-    first_shared_layer_idx = config.num_hidden_layers - (getattr(config, "num_kv_shared_layers", 0) or 0)
+    first_shared_layer_idx = first_kv_shared_layer(config)
     cache_layer_idx = []
     for layer_idx, layer_type in enumerate(config.layer_types):
         if layer_idx < first_shared_layer_idx:
@@ -131,13 +139,29 @@ class FlexGemma4Inference(FlexInference):
             caches.append(PagedKVCache(self.page_table.n_pages, self.page_size, num_kv_heads, attn.head_dim, self.dtype, self.device))
         return caches
 
+    @property
+    def first_kv_shared_layer_idx(self) -> int:
+        return first_kv_shared_layer(self.config)
+
     def _patch_model(self) -> None:
         for attn, cache_layer_idx in zip(self._attention_layers(), kv_store_layers(self.config)):
             attn.kv_cache_layer_idx = cache_layer_idx
             attn.forward = gemma4_attention_forward.__get__(attn)
 
     def _forward_hidden(self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor, step: FlexStep) -> torch.Tensor:
-        """Embeddings (scaled) and PLE, then every decoder layer with its PLE slice and regime's RoPE."""
+        return self._walk(input_ids_BS, position_ids_BS, step)
+
+    def _prefill_hidden(self, input_ids_1T, position_ids_1T, step: FlexStep, last_positions_N) -> torch.Tensor:
+        """Prefill shortcut: KV-shared layers write no K/V, so past the last store layer only each
+        prompt's last position goes on; its queries still see the store layers' packed K/V."""
+        return self._walk(input_ids_1T, position_ids_1T, step, last_positions_N)
+
+    def _walk(self, input_ids_BS, position_ids_BS, step: FlexStep, last_positions_N=None) -> torch.Tensor:
+        """Embeddings (scaled) and PLE, then every decoder layer with its PLE slice and regime's RoPE.
+
+        With `last_positions_N` (prefill), the rows are cut to those positions before the first
+        KV-shared layer, and the block masks to those query rows.
+        """
         decoder = self.decoder
         hidden_BSE = decoder.embed_tokens(input_ids_BS)
         per_layer_inputs_BSLP = None
@@ -145,6 +169,13 @@ class FlexGemma4Inference(FlexInference):
             per_layer_inputs_BSLP = decoder.project_per_layer_inputs(hidden_BSE, decoder.get_per_layer_inputs(input_ids_BS, None))
         position_embeddings = {t: decoder.rotary_emb(hidden_BSE, position_ids_BS, t) for t in self.attention_regimes}
         for layer_idx, layer in enumerate(decoder.layers):
+            if layer_idx == self.first_kv_shared_layer_idx and last_positions_N is not None:
+                hidden_BSE = hidden_BSE[:, last_positions_N]
+                if per_layer_inputs_BSLP is not None:
+                    per_layer_inputs_BSLP = per_layer_inputs_BSLP[:, last_positions_N]
+                position_embeddings = {t: (cos[:, last_positions_N], sin[:, last_positions_N]) for t, (cos, sin) in position_embeddings.items()}
+                step.block_masks = self._last_position_masks(step, last_positions_N)
+                last_positions_N = None
             layer_type = self.config.layer_types[layer_idx]
             per_layer_input = per_layer_inputs_BSLP[:, :, layer_idx] if per_layer_inputs_BSLP is not None else None
             hidden_BSE = layer(
@@ -154,7 +185,19 @@ class FlexGemma4Inference(FlexInference):
                 attention_mask=None,
                 flex_step=step,
             )
+        if last_positions_N is not None:  # no KV-shared layers: cut at the end
+            hidden_BSE = hidden_BSE[:, last_positions_N]
         return decoder.norm(hidden_BSE)
+
+    def _last_position_masks(self, step: FlexStep, last_positions_N) -> dict:
+        """The packed document-causal masks, restricted to each prompt's last query row."""
+        N, T = len(last_positions_N), len(step.document_id_T)
+        return {
+            regime: create_block_mask(
+                gathered_rows_mask_mod(document_causal_mask_mod(step.document_id_T, window), last_positions_N), None, None, N, T, device=self.device
+            )
+            for regime, window in self.attention_regimes.items()
+        }
 
     def _logits(self, hidden_NE: torch.Tensor) -> torch.Tensor:
         logits_NV = self.causal_lm.lm_head(hidden_NE).float()

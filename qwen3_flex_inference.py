@@ -261,6 +261,15 @@ def document_causal_mask_mod(document_id_T: torch.Tensor, sliding_window: int | 
     return mask_mod
 
 
+def gathered_rows_mask_mod(mask_mod, row_idx_N: torch.Tensor):
+    """A mask over only some query rows of another: query n is row row_idx_N[n] of `mask_mod`."""
+
+    def gathered(b, h, q_idx, kv_idx):
+        return mask_mod(b, h, row_idx_N[q_idx], kv_idx)
+
+    return gathered
+
+
 def offset_mask_mod(mask_mod, input_pos_B: torch.Tensor):
     """Decode: the single query token sits at logical position input_pos_B[b], not at q_idx = 0."""
 
@@ -354,6 +363,7 @@ class FlexStep:
     kv_caches: list  # PagedKVCache per layer; None for layers that own no cache
     kernel_options: Callable[[bool, int], dict]
     packed_kv: dict = field(default_factory=dict)  # prefill: cache layer -> fresh (k, v)
+    document_id_T: torch.Tensor | None = None  # prefill: which sequence each packed token belongs to
 
     def attend(self, module, q, k, v, cache_layer_idx: int, regime: str = FULL_ATTENTION) -> torch.Tensor:
         """Writes k/v (None: reuse layer `cache_layer_idx`'s) to the cache, then flex-attends.
@@ -626,7 +636,7 @@ class FlexInference:
             for regime, window in self.attention_regimes.items()
         }
         self.page_table.flush()
-        step = FlexStep(True, block_masks, inputs_4T[3], self.kv_caches, self.kernel_options)
+        step = FlexStep(True, block_masks, inputs_4T[3], self.kv_caches, self.kernel_options, document_id_T=document_id_T)
         return inputs_4T[0:1], inputs_4T[1:2], step
 
     def _prefill(self, sequences: list[Sequence]) -> tuple[list[int], torch.Tensor]:

@@ -177,3 +177,25 @@ def test_adapter_trained_on_the_multimodal_model_equals_hf_peft_merged(tiny_dir)
     want = hf_argmax_rollout(reference, prompts, MAX_NEW_TOKENS, engine.end_ids)
     got = [s.output_ids for s in engine.generate([Sequence(input_ids=ids) for ids in prompts])]
     assert got == want, f"{got=} {want=}"
+
+
+def test_prefill_shortcut_runs_kv_shared_layers_on_last_positions_only(case):
+    """Past the last store layer only each prompt's last position goes on; tokens still match HF."""
+    engine, config = case["engine"], case["hf"].config
+    first_shared = config.num_hidden_layers - config.num_kv_shared_layers
+    rows_seen = {}
+    hooks = [
+        layer.register_forward_hook(lambda module, args, output, i=i: rows_seen.setdefault(i, []).append(output.shape[1]))
+        for i, layer in enumerate(engine.decoder.layers)
+    ]
+    try:
+        prompts = case["prompts"][:3]
+        sequences = engine.generate([Sequence(input_ids=ids, max_new_tokens=1) for ids in prompts])
+    finally:
+        for hook in hooks:
+            hook.remove()
+    packed = sum(len(p) for p in prompts)
+    assert rows_seen[0] == [-(-packed // 128) * 128], f"{rows_seen[0]=}"
+    assert rows_seen[first_shared - 1] == rows_seen[0]
+    assert all(rows_seen[i] == [len(prompts)] for i in range(first_shared, config.num_hidden_layers)), f"{rows_seen=}"
+    assert [s.output_ids for s in sequences] == [w[:1] for w in case["want"][:3]]
