@@ -714,6 +714,7 @@ class FlexInference:
             next_ids, logits = self._decode_step(static[0], static[1], static[2])
         return next_ids[:B].tolist(), logits[:B]  # the one device->host sync per decode step
 
+    @torch.inference_mode()
     def capture_cuda_graphs(self) -> None:
         """One graph per batch bucket, largest first, all in one memory pool."""
         if self.device.type != "cuda":
