@@ -136,7 +136,8 @@ class FlexGemma4Inference(FlexInference):
                 caches.append(None)
                 continue
             num_kv_heads = attn.k_proj.out_features // attn.head_dim
-            caches.append(PagedKVCache(self.page_table.n_pages, self.page_size, num_kv_heads, attn.head_dim, self.dtype, self.device))
+            n_pages = self.page_tables[attn.layer_type].n_pages  # sliding layers: the recycled window pool
+            caches.append(PagedKVCache(n_pages, self.page_size, num_kv_heads, attn.head_dim, self.dtype, self.device))
         return caches
 
     @property

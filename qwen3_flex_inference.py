@@ -85,6 +85,8 @@ class PageTable:
 
     Batch slot 0 and physical page 0 are reserved: padding rows of a decode batch point at slot 0,
     whose every logical block maps to page 0, so their K/V writes land somewhere harmless.
+    Blocks a sliding window has left behind are trimmed: their pages go back to the pool and the
+    block maps to page 0, which the slot does not own (so its mask_mod rejects it).
     All bookkeeping (free pages, free slots, each slot's capacity) lives on the CPU so that
     scheduling never waits on the GPU; `flush()` mirrors the changes to the device in one copy.
     """
@@ -104,8 +106,9 @@ class PageTable:
         self.physical_to_logical = self.physical_to_logical_cpu.to(self.device)
         self.free_pages = deque(range(1, n_pages))
         self.free_batch_idx = deque(range(1, max_batch_size))
-        self.capacity = [0] * max_batch_size  # tokens each slot can hold with its pages
-        self.pages_of = [[] for _ in range(max_batch_size)]  # physical pages owned, in logical order
+        self.capacity = [0] * max_batch_size  # tokens each slot's logical blocks cover
+        # physical page of each logical block, in logical order; None once trimmed
+        self.pages_of: list[list[int | None]] = [[] for _ in range(max_batch_size)]
         self.is_dirty = False
 
     @property
@@ -114,7 +117,10 @@ class PageTable:
 
     @property
     def num_used_pages(self) -> int:
-        return sum(len(pages) for pages in self.pages_of)
+        return sum(page is not None for pages in self.pages_of for page in pages)
+
+    def num_pages_of(self, batch_idx: int) -> int:
+        return sum(page is not None for page in self.pages_of[batch_idx])
 
     def can_allocate(self) -> bool:
         return len(self.free_batch_idx) > 0
@@ -123,40 +129,58 @@ class PageTable:
         """Takes a free batch slot (never slot 0); it owns no pages yet."""
         return self.free_batch_idx.popleft()
 
-    def pages_needed(self, batch_idx: int | None, seq_len: int) -> int:
-        capacity = 0 if batch_idx is None else self.capacity[batch_idx]
-        if seq_len <= capacity:
-            return 0
-        return -(-(seq_len - capacity) // self.page_size)
+    def pages_needed(self, batch_idx: int | None, seq_len: int, first_needed_pos: int = 0) -> int:
+        """New pages for slot `batch_idx` to cover `seq_len` tokens, skipping blocks wholly
+        before `first_needed_pos` (a sliding window's left edge)."""
+        num_blocks = 0 if batch_idx is None else len(self.pages_of[batch_idx])
+        last_block = -(-seq_len // self.page_size)
+        return max(0, last_block - max(num_blocks, first_needed_pos // self.page_size))
 
-    def can_reserve(self, seq_len: int, batch_idx: int | None = None) -> bool:
-        """Whether slot `batch_idx` (None: a slot not yet allocated) could grow to `seq_len` tokens."""
-        return self.pages_needed(batch_idx, seq_len) <= len(self.free_pages)
+    def can_reserve(self, seq_len: int, batch_idx: int | None = None, first_needed_pos: int = 0) -> bool:
+        """Whether slot `batch_idx` (None: a slot not yet allocated) could grow to `seq_len` tokens,
+        recycling its blocks before `first_needed_pos` first."""
+        recyclable = 0
+        if batch_idx is not None:
+            recyclable = sum(page is not None for page in self.pages_of[batch_idx][: first_needed_pos // self.page_size])
+        return self.pages_needed(batch_idx, seq_len, first_needed_pos) <= len(self.free_pages) + recyclable
 
-    def reserve(self, batch_idx: int, seq_len: int) -> None:
-        """Gives slot `batch_idx` enough pages for `seq_len` tokens."""
-        num_pages = self.pages_needed(batch_idx, seq_len)
+    def reserve(self, batch_idx: int, seq_len: int, first_needed_pos: int = 0) -> None:
+        """Gives slot `batch_idx` pages for `seq_len` tokens (none for blocks before `first_needed_pos`)."""
+        num_pages = self.pages_needed(batch_idx, seq_len, first_needed_pos)
         if num_pages > len(self.free_pages):
             raise RuntimeError(f"cannot reserve {num_pages} pages, only {len(self.free_pages)} are free")
-        for _ in range(num_pages):
+        pages = self.pages_of[batch_idx]
+        while len(pages) * self.page_size < seq_len:
+            logical_block_idx = len(pages)
+            if (logical_block_idx + 1) * self.page_size <= first_needed_pos:
+                pages.append(None)  # already out of the window: never stored
+                continue
             physical_page_idx = self.free_pages.popleft()
-            logical_block_idx = len(self.pages_of[batch_idx])
             self.page_table_cpu[batch_idx, logical_block_idx] = physical_page_idx
             self.physical_to_logical_cpu[batch_idx, physical_page_idx] = logical_block_idx
-            self.pages_of[batch_idx].append(physical_page_idx)
-        self.capacity[batch_idx] += num_pages * self.page_size
-        self.is_dirty |= num_pages > 0
+            pages.append(physical_page_idx)
+            self.is_dirty = True
+        self.capacity[batch_idx] = len(pages) * self.page_size
 
-    def erase(self, batch_idx: int) -> None:
-        """Returns slot `batch_idx` and all its pages to the free pools."""
-        for physical_page_idx in self.pages_of[batch_idx]:
-            self.physical_to_logical_cpu[batch_idx, physical_page_idx] = -1
-            self.free_pages.append(physical_page_idx)
+    def trim(self, batch_idx: int, first_needed_pos: int) -> None:
+        """Recycles the pages of slot `batch_idx`'s blocks that end before `first_needed_pos`."""
+        pages = self.pages_of[batch_idx]
+        for logical_block_idx in range(min(first_needed_pos // self.page_size, len(pages))):
+            physical_page_idx = pages[logical_block_idx]
+            if physical_page_idx is not None:
+                self.physical_to_logical_cpu[batch_idx, physical_page_idx] = -1
+                self.page_table_cpu[batch_idx, logical_block_idx] = 0
+                self.free_pages.append(physical_page_idx)
+                pages[logical_block_idx] = None
+                self.is_dirty = True
+
+    def erase(self, batch_idx: int, release_slot: bool = True) -> None:
+        """Returns all of slot `batch_idx`'s pages (and, unless told otherwise, the slot) to the pools."""
+        self.trim(batch_idx, len(self.pages_of[batch_idx]) * self.page_size)
         self.pages_of[batch_idx] = []
-        self.page_table_cpu[batch_idx] = 0
         self.capacity[batch_idx] = 0
-        self.free_batch_idx.append(batch_idx)
-        self.is_dirty = True
+        if release_slot:
+            self.free_batch_idx.append(batch_idx)
 
     def flush(self) -> None:
         """Copies the CPU bookkeeping to the device tables (in place: captured graphs read them)."""
@@ -166,9 +190,14 @@ class PageTable:
             self.is_dirty = False
 
     def physical_slots(self, batch_idx: int, start: int, end: int) -> list[int]:
-        """Physical cache rows of logical positions [start, end) of slot `batch_idx`."""
+        """Physical cache rows of logical positions [start, end) of slot `batch_idx` (row 0 of the
+        reserved page for positions whose block is not stored)."""
         pages = self.pages_of[batch_idx]
-        return [pages[pos // self.page_size] * self.page_size + pos % self.page_size for pos in range(start, end)]
+        slots = []
+        for pos in range(start, end):
+            page = pages[pos // self.page_size]
+            slots.append(0 if page is None else page * self.page_size + pos % self.page_size)
+        return slots
 
     def convert_logical_block_mask(self, logical_mask: BlockMask, batch_idx_B: torch.Tensor, mask_mod) -> BlockMask:
         """Maps a per-row logical block mask ([B, 1, 1, max_logical_blocks]) to physical pages
@@ -359,7 +388,7 @@ class FlexStep:
 
     is_prefill: bool
     block_masks: dict  # attention regime -> BlockMask
-    physical_slots: torch.Tensor  # [B * S] cache row of every token
+    physical_slots: dict  # attention regime -> [B * S] cache row of every token in that regime's pool
     kv_caches: list  # PagedKVCache per layer; None for layers that own no cache
     kernel_options: Callable[[bool, int], dict]
     packed_kv: dict = field(default_factory=dict)  # prefill: cache layer -> fresh (k, v)
@@ -372,7 +401,7 @@ class FlexStep:
         """
         cache = self.kv_caches[cache_layer_idx]
         if k is not None:
-            cache.write(k, v, self.physical_slots)
+            cache.write(k, v, self.physical_slots[regime])
             if self.is_prefill:
                 self.packed_kv[cache_layer_idx] = (k, v)
         if self.is_prefill:
@@ -519,9 +548,16 @@ class FlexInference:
         self.user_kernel_options = {True: prefill_kernel_options or {}, False: decode_kernel_options or {}}
         self.end_ids = end_token_ids(self.causal_lm, tokenizer)
 
-        self.page_table = PageTable(page_size, n_pages, max_batch_size + 1, max_seq_length, self.device)
-        self.kv_caches = self._build_kv_caches()
         self.attention_regimes = self._attention_regimes()
+        # One page table per attention regime: a sliding window's pool recycles the pages that fall
+        # out of the window, so it needs only window + 2 pages per sequence.
+        self.page_tables = {
+            regime: PageTable(page_size, self._num_pool_pages(window, n_pages), max_batch_size + 1, max_seq_length, self.device)
+            for regime, window in self.attention_regimes.items()
+        }
+        # Batch slots are handed out by the full-attention table; the others follow its numbering.
+        self.page_table = self.page_tables.get(FULL_ATTENTION) or next(iter(self.page_tables.values()))
+        self.kv_caches = self._build_kv_caches()
         self.fa4_prefill = self._resolve_fa4_prefill(fa4_prefill)
         self._patch_model()
         # One logical causal mask per regime, built once; each decode step slices its rows.
@@ -555,6 +591,17 @@ class FlexInference:
         window = getattr(self.config, "sliding_window", None)
         layer_types = getattr(self.config, "layer_types", None) or [FULL_ATTENTION]
         return {t: (window if t == SLIDING_ATTENTION else None) for t in set(layer_types)}
+
+    def _num_pool_pages(self, sliding_window: int | None, n_pages: int) -> int:
+        if sliding_window is None:
+            return n_pages
+        pages_per_sequence = -(-sliding_window // self.page_size) + 2  # window, the page being written, slack
+        return min(n_pages, self.max_batch_size * pages_per_sequence + 1)
+
+    def _first_needed_pos(self, regime: str, query_pos: int) -> int:
+        """The first position a query at `query_pos` sees in `regime` (HF: kv > q - window)."""
+        window = self.attention_regimes[regime]
+        return 0 if window is None else max(0, query_pos - window + 1)
 
     def _build_kv_caches(self) -> list[PagedKVCache | None]:
         n_kv_heads = self.config.num_key_value_heads
@@ -614,30 +661,33 @@ class FlexInference:
         of 128 so lengths reuse compiled kernels. Padding is a document of its own and writes into
         the reserved page 0.
         """
-        token_ids, position_ids, document_ids, physical_slots = [], [], [], []
+        regimes = list(self.page_tables)
+        token_ids, position_ids, document_ids = [], [], []
+        physical_slots = {regime: [] for regime in regimes}
         for doc_idx, seq in enumerate(sequences):
             ids = seq.token_ids
             token_ids += ids
             position_ids += range(len(ids))
             document_ids += [doc_idx] * len(ids)
-            physical_slots += self.page_table.physical_slots(seq.batch_idx, 0, len(ids))
+            for regime, table in self.page_tables.items():
+                physical_slots[regime] += table.physical_slots(seq.batch_idx, 0, len(ids))
         num_padding = -len(token_ids) % 128
         token_ids += [0] * num_padding
         position_ids += [0] * num_padding
         document_ids += [len(sequences)] * num_padding
-        physical_slots += [0] * num_padding
         T = len(token_ids)
         # One host->device copy for all step inputs.
-        inputs_4T = torch.tensor([token_ids, position_ids, document_ids, physical_slots], dtype=torch.long)
-        inputs_4T = inputs_4T.to(self.device, non_blocking=True)
-        document_id_T = inputs_4T[2]
+        rows = [token_ids, position_ids, document_ids] + [physical_slots[r] + [0] * num_padding for r in regimes]
+        inputs_RT = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+        document_id_T = inputs_RT[2]
         block_masks = {
             regime: create_block_mask(document_causal_mask_mod(document_id_T, window), None, None, T, T, device=self.device)
             for regime, window in self.attention_regimes.items()
         }
-        self.page_table.flush()
-        step = FlexStep(True, block_masks, inputs_4T[3], self.kv_caches, self.kernel_options, document_id_T=document_id_T)
-        return inputs_4T[0:1], inputs_4T[1:2], step
+        self._flush_page_tables()
+        slots = {regime: inputs_RT[3 + i] for i, regime in enumerate(regimes)}
+        step = FlexStep(True, block_masks, slots, self.kv_caches, self.kernel_options, document_id_T=document_id_T)
+        return inputs_RT[0:1], inputs_RT[1:2], step
 
     def _prefill(self, sequences: list[Sequence]) -> tuple[list[int], torch.Tensor]:
         """Runs the admitted `sequences` in one packed row; returns each one's next token and the
@@ -660,7 +710,7 @@ class FlexInference:
         logits = []
         while waiting:
             batch = []
-            while waiting and self.page_table.can_allocate() and self.page_table.can_reserve(waiting[0].seq_len):
+            while waiting and self.page_table.can_allocate() and self._can_hold(waiting[0]):
                 batch.append(waiting.popleft())
                 self._admit(batch[-1])
             if not batch:
@@ -681,16 +731,17 @@ class FlexInference:
 
         Returns (next_ids [B], logits [B, V]).
         """
-        mark_all_static(input_pos_B, batch_idx_B, self.page_table.physical_to_logical)
-        block_masks = {}
+        mark_all_static(input_pos_B, batch_idx_B, *(table.physical_to_logical for table in self.page_tables.values()))
+        block_masks, physical_slots = {}, {}
         for regime, logical_mask in self.logical_decode_masks.items():
+            table = self.page_tables[regime]
             logical_rows = slice_logical_block_mask(logical_mask, input_pos_B)
             mask_mod = offset_mask_mod(logical_mask.mask_mod, input_pos_B)
-            block_masks[regime] = self.page_table.convert_logical_block_mask(logical_rows, batch_idx_B, mask_mod)
-        # page_table[batch_idx, logical_block] -> physical_page; cache row = page * page_size + offset
-        page_B = self.page_table.page_table[batch_idx_B, input_pos_B // self.page_size].long()
-        physical_slots_B = page_B * self.page_size + input_pos_B % self.page_size
-        step = FlexStep(False, block_masks, physical_slots_B, self.kv_caches, self.kernel_options)
+            block_masks[regime] = table.convert_logical_block_mask(logical_rows, batch_idx_B, mask_mod)
+            # page_table[batch_idx, logical_block] -> physical_page; cache row = page * page_size + offset
+            page_B = table.page_table[batch_idx_B, input_pos_B // self.page_size].long()
+            physical_slots[regime] = page_B * self.page_size + input_pos_B % self.page_size
+        step = FlexStep(False, block_masks, physical_slots, self.kv_caches, self.kernel_options)
         hidden_B1E = self._forward_hidden(input_ids_B[:, None], input_pos_B[:, None], step)
         logits_BV = self._logits(hidden_B1E[:, -1])
         return logits_BV.argmax(-1), logits_BV
@@ -704,7 +755,7 @@ class FlexInference:
         step_inputs[0, :B] = torch.tensor([seq.token_ids[-1] for seq in running])
         step_inputs[1, :B] = torch.tensor([seq.seq_len - 1 for seq in running])
         step_inputs[2, :B] = torch.tensor([seq.batch_idx for seq in running])
-        self.page_table.flush()
+        self._flush_page_tables()
         static = self.static_step_inputs[:, :bucket]
         static.copy_(step_inputs, non_blocking=True)
         if use_graph:
@@ -722,7 +773,7 @@ class FlexInference:
         if self.cuda_graphs:
             return
         start = time.perf_counter()
-        self.page_table.flush()
+        self._flush_page_tables()
         for bucket in reversed(batch_buckets(self.max_batch_size)):
             static = self.static_step_inputs[:, :bucket]
             static.zero_()  # every row a padding row: slot 0, page 0
@@ -741,12 +792,35 @@ class FlexInference:
 
     # --- scheduler --------------------------------------------------------------------------
 
+    def _flush_page_tables(self) -> None:
+        for table in self.page_tables.values():
+            table.flush()
+
+    def _can_hold(self, seq: Sequence, query_pos: int | None = None) -> bool:
+        """Whether every pool has room for `seq`'s tokens, given the next query position
+        (default: the one after its last token, as after a prefill)."""
+        query_pos = seq.seq_len if query_pos is None else query_pos
+        batch_idx = seq.batch_idx if seq.batch_idx >= 0 else None
+        return all(
+            table.can_reserve(seq.seq_len, batch_idx, self._first_needed_pos(regime, query_pos))
+            for regime, table in self.page_tables.items()
+        )
+
+    def _hold(self, seq: Sequence, query_pos: int) -> None:
+        """Pages for `seq`'s tokens in every pool; windowed pools first recycle what the query at
+        `query_pos` no longer sees."""
+        for regime, table in self.page_tables.items():
+            first_needed_pos = self._first_needed_pos(regime, query_pos)
+            table.trim(seq.batch_idx, first_needed_pos)
+            table.reserve(seq.batch_idx, seq.seq_len, first_needed_pos)
+
     def _admit(self, seq: Sequence) -> None:
         seq.batch_idx = self.page_table.allocate()
-        self.page_table.reserve(seq.batch_idx, seq.seq_len)
+        self._hold(seq, seq.seq_len)
 
     def _release(self, seq: Sequence) -> None:
-        self.page_table.erase(seq.batch_idx)
+        for table in self.page_tables.values():
+            table.erase(seq.batch_idx, release_slot=table is self.page_table)
         seq.batch_idx = -1
 
     def _append(self, seq: Sequence, token: int, logits_V: torch.Tensor) -> None:
@@ -796,7 +870,7 @@ class FlexInference:
             while (
                 waiting
                 and self.page_table.can_allocate()
-                and self.page_table.can_reserve(waiting[0].seq_len)
+                and self._can_hold(waiting[0])
                 and admitted_tokens + waiting[0].seq_len <= self.max_prefill_tokens
             ):
                 seq = waiting.popleft()
@@ -848,8 +922,8 @@ class FlexInference:
         while i < len(running):
             seq = running[i]
             # The next step writes the K/V of the last token, at position seq_len - 1.
-            if self.page_table.can_reserve(seq.seq_len, seq.batch_idx):
-                self.page_table.reserve(seq.batch_idx, seq.seq_len)
+            if self._can_hold(seq, seq.seq_len - 1):
+                self._hold(seq, seq.seq_len - 1)
                 i += 1
                 continue
             victim = running.pop()

@@ -106,7 +106,8 @@ def test_shared_layers_allocate_no_cache_and_bytes_per_token_sum_the_rest(case):
             continue
         head_dim = config.per_layer_config[layer_idx].head_dim
         num_kv_heads = attn.self_attn.k_proj.out_features // head_dim
-        assert cache.k_cache.shape[1:] == (num_kv_heads, engine.page_table.n_pages * 16, head_dim)
+        pool_pages = engine.page_tables[config.layer_types[layer_idx]].n_pages
+        assert cache.k_cache.shape[1:] == (num_kv_heads, pool_pages * 16, head_dim)
         want_bytes += 2 * num_kv_heads * head_dim * 4
     assert engine.kv_bytes_per_token == want_bytes, f"{engine.kv_bytes_per_token=} {want_bytes=}"
 
@@ -199,3 +200,32 @@ def test_prefill_shortcut_runs_kv_shared_layers_on_last_positions_only(case):
     assert rows_seen[first_shared - 1] == rows_seen[0]
     assert all(rows_seen[i] == [len(prompts)] for i in range(first_shared, config.num_hidden_layers)), f"{rows_seen=}"
     assert [s.output_ids for s in sequences] == [w[:1] for w in case["want"][:3]]
+
+
+def test_sliding_window_pages_are_recycled_and_tokens_still_match_hf(tiny_dir):
+    """Sliding layers hold at most window + one page per sequence; long generations stay exact."""
+    path = tiny_dir / "gemma4_text"
+    hf = load_hf(path)
+    engine = make_engine(load_hf(path), max_batch_size=2, max_new_tokens=60)
+    window, page_size = hf.config.sliding_window, 16
+    window_table = engine.page_tables["sliding_attention"]
+    assert window_table.n_pages < engine.page_table.n_pages, f"{window_table.n_pages=} {engine.page_table.n_pages=}"
+    max_window_pages = -(-window // page_size) + 1
+    most_pages_seen = []
+    run_decode = engine._run_decode
+
+    def checked_run_decode(running, use_graph):
+        for seq in running:
+            most_pages_seen.append(window_table.num_pages_of(seq.batch_idx))
+            # the full-attention pool still holds every token
+            assert engine.page_table.num_pages_of(seq.batch_idx) == -(-seq.seq_len // page_size)
+        return run_decode(running, use_graph)
+
+    engine._run_decode = checked_run_decode
+    prompts = random_prompts([90, 7, 41], hf.config.vocab_size, seed=9)
+    sequences = engine.generate([Sequence(input_ids=ids) for ids in prompts])
+    assert most_pages_seen and max(most_pages_seen) <= max_window_pages, f"{max(most_pages_seen)=} {max_window_pages=}"
+    want = hf_argmax_rollout(hf, prompts, 60, engine.end_ids)
+    for i, (seq, w) in enumerate(zip(sequences, want)):
+        assert seq.output_ids == w, f"prompt {i}: {seq.output_ids=} {w=}"
+    assert window_table.num_used_pages == 0 and window_table.num_free_pages == window_table.n_pages - 1

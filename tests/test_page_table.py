@@ -77,3 +77,21 @@ def test_physical_slots_follow_the_page_table():
 def test_engine_limits_reject_bad_sizes_with_one_sentence(limits, message):
     with pytest.raises(ValueError, match=message):
         check_engine_limits(*limits)
+
+
+def test_trimmed_blocks_recycle_their_pages_and_map_to_the_reserved_page():
+    table = PageTable(page_size=16, n_pages=8, max_batch_size=3, max_seq_length=256, device="cpu")
+    a = table.allocate()
+    table.reserve(a, 40, first_needed_pos=20)  # block 0 (positions 0-15) is never stored
+    assert table.pages_of[a][0] is None and table.num_pages_of(a) == 2
+    assert table.physical_slots(a, 0, 16) == [0] * 16
+    table.trim(a, 40)  # blocks 0-1 out of the window
+    assert table.num_pages_of(a) == 1 and table.num_free_pages == 6
+    assert table.page_table_cpu[a, 1] == 0 and (table.physical_to_logical_cpu[a] >= 0).sum() == 1
+    # 7 usable pages, 6 free: growing to 146 tokens needs 7 new blocks (3-9), so block 2 must recycle
+    assert table.can_reserve(146, a, first_needed_pos=48) and not table.can_reserve(146, a, first_needed_pos=0)
+    table.trim(a, 48)
+    table.reserve(a, 146, first_needed_pos=48)
+    assert table.num_pages_of(a) == 7 and table.num_free_pages == 0
+    table.erase(a)
+    assert table.num_free_pages == 7 and table.num_used_pages == 0
