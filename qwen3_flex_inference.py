@@ -354,7 +354,10 @@ def default_kernel_options(is_prefill: bool, head_dim: int, device: torch.device
 
 
 def mark_all_static(*tensors) -> None:
-    """Keeps torch.compile from treating any dimension of these tensors as dynamic."""
+    """Keeps torch.compile from treating any dimension of these tensors as dynamic (a no-op while
+    tracing a compiled decode step, whose inputs are static already)."""
+    if torch.compiler.is_compiling():
+        return
     for t in tensors:
         if t is not None:
             for dim in range(t.dim()):
@@ -413,11 +416,11 @@ class FlexStep:
         # NOTE: automatic dynamic shapes would make a dimension symbolic once a second value is
         # seen. Decode wants everything static (batch bucket, KV pool size: the CPU kernel indexes
         # out of bounds with a symbolic KV length); prefill keeps only the packed length dynamic.
-        if self.is_prefill:
+        if self.is_prefill and not torch.compiler.is_compiling():
             for t in (q, k, v):
                 for dim in (0, 1, 3):
                     torch._dynamo.mark_static(t, dim)
-        else:
+        elif not self.is_prefill:
             mark_all_static(q, k, v, *block_mask.as_tuple()[2:6])
         return flex_attention_compiled(
             q,
@@ -530,6 +533,7 @@ class FlexInference:
         fa4_prefill: bool | None = None,
         base_model: nn.Module | None = None,
         peft_model: nn.Module | None = None,
+        compile_decode: bool = False,
     ):
         check_engine_limits(max_batch_size, max_seq_length, n_pages, page_size, max_new_tokens)
         self.model = model
@@ -569,6 +573,9 @@ class FlexInference:
         }
         # Static decode inputs (CUDA graphs read them in place): rows 0..B-1 of each.
         self.static_step_inputs = torch.zeros(3, max_batch_size, dtype=torch.long, device=self.device)
+        # compile_decode: the whole step (masks, layer walk, logits) is one torch.compile graph per
+        # batch bucket, so norms, RoPE, residuals and PLE fuse; CUDA graphs then capture it.
+        self.decode_step = torch.compile(self._decode_step, fullgraph=True, dynamic=False) if compile_decode else self._decode_step
         self.cuda_graphs: dict[int, tuple] = {}
         self.graph_pool = None
         self.timings: dict[str, float] = {}
@@ -762,7 +769,7 @@ class FlexInference:
             graph, next_ids, logits = self.cuda_graphs[bucket]
             graph.replay()
         else:
-            next_ids, logits = self._decode_step(static[0], static[1], static[2])
+            next_ids, logits = self.decode_step(static[0], static[1], static[2])
         return next_ids[:B].tolist(), logits[:B]  # the one device->host sync per decode step
 
     @torch.inference_mode()
@@ -780,11 +787,11 @@ class FlexInference:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):  # eager warm-up compiles this bucket's kernels
-                self._decode_step(static[0], static[1], static[2])
+                self.decode_step(static[0], static[1], static[2])
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.graph_pool):
-                next_ids, logits = self._decode_step(static[0], static[1], static[2])
+                next_ids, logits = self.decode_step(static[0], static[1], static[2])
             self.graph_pool = graph.pool()
             self.cuda_graphs[bucket] = (graph, next_ids, logits)
         torch.cuda.synchronize()
@@ -1109,6 +1116,7 @@ def build_arg_parser(default_model_name: str, description: str) -> argparse.Argu
     p.add_argument("--n_pages", type=int, default=2048, help="pages in the KV pool (page 0 is reserved)")
     p.add_argument("--page_size", type=int, default=128, help="tokens per KV page")
     p.add_argument("--capture_cudagraph", action="store_true", help="decode through CUDA graphs, one per batch bucket")
+    p.add_argument("--compile_decode", action="store_true", help="torch.compile the whole decode step per batch bucket (fuses norms, RoPE, residuals)")
     p.add_argument("--lora_adapter", default=None, help="PEFT LoRA adapter folder, merged with the double-copy refresh")
     p.add_argument("--no_merge_lora", action="store_true", help="keep the PEFT wrapper unmerged (adapter computed every forward)")
     p.add_argument("--load_in_4bit", action="store_true", help="quantise to bitsandbytes NF4 while loading (CUDA only)")
@@ -1343,6 +1351,7 @@ def run_cli(args, engine_class=None, load_model=None, default_chat_template: str
         prefill_kernel_options=prefill_options,
         fa4_prefill=args.fa4_prefill,
         peft_model=peft_model,
+        compile_decode=args.compile_decode,
     )
     drift = None
     if args.verify_no_drift:
@@ -1366,7 +1375,7 @@ def run_cli(args, engine_class=None, load_model=None, default_chat_template: str
 
     decode_tps = [n_decoded / t for t in wall_times]
     stats = {
-        "backend": "flex_attention" + ("+cudagraph" if args.capture_cudagraph else ""),
+        "backend": "flex_attention" + ("+compiled_step" if args.compile_decode else "") + ("+cudagraph" if args.capture_cudagraph else ""),
         "model_name": args.model_name,
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),

@@ -120,3 +120,12 @@ def test_text_sequences_are_tokenized_when_a_tokenizer_is_given(case, tiny_dir):
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     assert seq.input_ids == ids
     assert seq.output_ids == hf_greedy(case["hf"], [ids], 5, engine.end_ids)[0]
+
+
+def test_compiled_decode_step_gives_the_same_tokens_as_hf(tiny_dir):
+    path = tiny_dir / "qwen3"
+    hf = load_hf(path)
+    engine = make_engine(path, max_batch_size=2, compile_decode=True)
+    prompts = random_prompts([5, 40, 70], hf.config.vocab_size, seed=11)
+    got = generate(engine, prompts)
+    assert got == hf_greedy(hf, prompts, MAX_NEW_TOKENS, engine.end_ids)

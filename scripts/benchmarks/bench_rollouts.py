@@ -1,6 +1,7 @@
 """Rollout throughput side by side: this engine and Hugging Face generate, one workload, one GPU.
 
-Systems: `engine_eager` and `engine_graph` (this engine, eager / CUDA-graph decode),
+Systems: `engine_eager`, `engine_graph` and `engine_compiled_graph` (this engine: eager decode,
+CUDA-graph decode, and a torch.compile'd decode step captured in CUDA graphs),
 `hf_dynamic` (generate, dynamic cache), `hf_static_compile` (generate, static cache,
 torch.compile), `hf_cb` (generate_batch continuous batching, where the installed transformers has
 it; an error is recorded when it refuses the model). Workload: a `--load_format dummy` model from
@@ -27,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from qwen3_flex_inference import FlexInference, Sequence  # noqa: E402
 
-SYSTEMS = ["engine_eager", "engine_graph", "hf_dynamic", "hf_static_compile", "hf_cb"]
+SYSTEMS = ["engine_eager", "engine_graph", "engine_compiled_graph", "hf_dynamic", "hf_static_compile", "hf_cb"]
 
 
 def copy_bandwidth_gbs(device) -> float:
@@ -89,7 +90,7 @@ def kv_bytes_per_step(engine, batch_size: int, prompt_len: int, new_tokens: int)
     return total * batch_size
 
 
-def make_engine(model, batch_size, prompt_len, new_tokens):
+def make_engine(model, batch_size, prompt_len, new_tokens, compile_decode=False):
     max_seq_length = -(-(prompt_len + new_tokens + 1) // 128) * 128
     if "gemma4" in model.config.model_type:
         from gemma4_flex_inference import FlexGemma4Inference as engine_class
@@ -98,7 +99,10 @@ def make_engine(model, batch_size, prompt_len, new_tokens):
     page_size = 128 if model.device.type == "cuda" else 16
     max_seq_length = -(-max_seq_length // page_size) * page_size
     n_pages = batch_size * (max_seq_length // page_size) + 1
-    engine = engine_class(model, None, max_batch_size=batch_size, max_seq_length=max_seq_length, n_pages=n_pages, page_size=page_size, max_new_tokens=new_tokens)
+    engine = engine_class(
+        model, None, max_batch_size=batch_size, max_seq_length=max_seq_length, n_pages=n_pages, page_size=page_size,
+        max_new_tokens=new_tokens, compile_decode=compile_decode,
+    )
     engine.end_ids = set()
     return engine
 
@@ -108,10 +112,10 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def run_engine(model, prompts, new_tokens, use_graph):
+def run_engine(model, prompts, new_tokens, use_graph, compile_decode=False):
     """Warm-up round (compile, capture), then a timed round. Decode/prefill split from the engine."""
     device = model.device
-    engine = make_engine(model, len(prompts), len(prompts[0]), new_tokens)
+    engine = make_engine(model, len(prompts), len(prompts[0]), new_tokens, compile_decode)
     start = time.perf_counter()
     engine.generate([Sequence(input_ids=p, max_new_tokens=new_tokens) for p in prompts], capture_cudagraph=use_graph)
     sync(device)
@@ -219,9 +223,10 @@ def main() -> int:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
             if system.startswith("engine"):
-                if system == "engine_graph" and device.type != "cuda":
+                use_graph = system != "engine_eager"
+                if use_graph and device.type != "cuda":
                     continue
-                result, engine = run_engine(model, prompts, args.new_tokens, system == "engine_graph")
+                result, engine = run_engine(model, prompts, args.new_tokens, use_graph, system == "engine_compiled_graph")
                 kv_bytes = kv_bytes_per_step(engine, batch_size, args.prompt_len, args.new_tokens)
                 engine.restore_model()
                 del engine
