@@ -216,17 +216,12 @@ class PageTable:
             physical_BP = nn.functional.pad(physical_BL, (0, self.n_pages - physical_BL.shape[1]))
             return num_blocks, physical_BP.view(B, 1, 1, self.n_pages)
 
-        kv_num_blocks, kv_indices = to_physical(logical_mask.kv_indices, logical_mask.kv_num_blocks)
-        full_kv_num_blocks, full_kv_indices = to_physical(logical_mask.full_kv_indices, logical_mask.full_kv_num_blocks)
-        return BlockMask.from_kv_blocks(
-            kv_num_blocks,
-            kv_indices,
-            full_kv_num_blocks,
-            full_kv_indices,
-            BLOCK_SIZE=(logical_mask.BLOCK_SIZE[0], self.page_size),
-            mask_mod=self.physical_mask_mod(mask_mod, batch_idx_B),
-            seq_lengths=(1, self.n_pages * self.page_size),
-            compute_q_blocks=False,
+        return decode_block_mask(
+            to_physical(logical_mask.kv_indices, logical_mask.kv_num_blocks),
+            to_physical(logical_mask.full_kv_indices, logical_mask.full_kv_num_blocks),
+            (logical_mask.BLOCK_SIZE[0], self.page_size),
+            self.physical_mask_mod(mask_mod, batch_idx_B),
+            self.n_pages * self.page_size,
         )
 
     def physical_mask_mod(self, logical_mask_mod, batch_idx_B: torch.Tensor):
@@ -316,17 +311,21 @@ def slice_logical_block_mask(logical_mask: BlockMask, input_pos_B: torch.Tensor)
     def rows(num_blocks, indices):
         return num_blocks[0, 0, q_block_B].view(B, 1, 1), indices[0, 0, q_block_B].view(B, 1, 1, -1)
 
-    kv_num_blocks, kv_indices = rows(logical_mask.kv_num_blocks, logical_mask.kv_indices)
-    full_kv_num_blocks, full_kv_indices = rows(logical_mask.full_kv_num_blocks, logical_mask.full_kv_indices)
+    return decode_block_mask(
+        rows(logical_mask.kv_num_blocks, logical_mask.kv_indices),
+        rows(logical_mask.full_kv_num_blocks, logical_mask.full_kv_indices),
+        logical_mask.BLOCK_SIZE,
+        logical_mask.mask_mod,
+        logical_mask.seq_lengths[1],
+    )
+
+
+def decode_block_mask(kv_blocks, full_kv_blocks, block_size, mask_mod, kv_length: int) -> BlockMask:
+    """A BlockMask with one query row per sequence from (num_blocks [B, 1, 1], indices [B, 1, 1, N])
+    pairs. seq_lengths must equal the real q/kv lengths (torch >= 2.9 checks); no q blocks are
+    needed without a backward pass."""
     return BlockMask.from_kv_blocks(
-        kv_num_blocks,
-        kv_indices,
-        full_kv_num_blocks,
-        full_kv_indices,
-        BLOCK_SIZE=logical_mask.BLOCK_SIZE,
-        mask_mod=logical_mask.mask_mod,
-        seq_lengths=(1, logical_mask.seq_lengths[1]),
-        compute_q_blocks=False,
+        *kv_blocks, *full_kv_blocks, BLOCK_SIZE=block_size, mask_mod=mask_mod, seq_lengths=(1, kv_length), compute_q_blocks=False
     )
 
 
