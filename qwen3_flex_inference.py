@@ -896,6 +896,8 @@ class FlexInference:
             if not running:
                 continue
             running = self._reserve_or_preempt(running, waiting)
+            if not running:  # the only sequence gave its pages back: admit again
+                continue
             start = time.perf_counter()
             next_ids, logits = self._run_decode(running, capture_cudagraph)
             decode_s += time.perf_counter() - start
