@@ -14,8 +14,11 @@ scheduler, CUDA graphs, LoRA double-copy and CLI are the base engine's:
   forward, which threads them, so they are exact by construction; the walker supplies each layer
   its PLE slice and the flex step.
 - The final logit softcap, tanh(logits / c) * c.
+- Prefill shortcut: KV-shared layers write no K/V, so past the last store layer only each prompt's
+  last position goes on (sliding layers' pages are recycled by the base engine's window pool).
 - Loading: multimodal checkpoints drop their vision/audio towers and the language model moves into
-  a `Gemma4ForCausalLM` shell (lm_head tied to the embeddings).
+  a `Gemma4ForCausalLM` shell (lm_head tied to the embeddings); adapters trained on the multimodal
+  model are renamed onto it.
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ from torch import nn
 from torch.nn.attention.flex_attention import create_block_mask
 
 from qwen3_flex_inference import (
-    FULL_ATTENTION,
     SLIDING_ATTENTION,
     FlexInference,
     FlexStep,
