@@ -127,6 +127,8 @@ def gemma4_attention_forward(self, hidden_states, position_embeddings, attention
 class FlexGemma4Inference(FlexInference):
     """FlexInference for Gemma-4 text models (`Gemma4ForCausalLM`, optionally in a PEFT wrapper)."""
 
+    use_prefill_shortcut = True  # False: every prefill row runs every layer (to measure the shortcut)
+
     def _attention_regimes(self) -> dict[str, int | None]:
         return {t: (self.config.sliding_window if t == SLIDING_ATTENTION else None) for t in set(self.config.layer_types)}
 
@@ -157,6 +159,8 @@ class FlexGemma4Inference(FlexInference):
     def _prefill_hidden(self, input_ids_1T, position_ids_1T, step: FlexStep, last_positions_N) -> torch.Tensor:
         """Prefill shortcut: KV-shared layers write no K/V, so past the last store layer only each
         prompt's last position goes on; its queries still see the store layers' packed K/V."""
+        if not self.use_prefill_shortcut:
+            return super()._prefill_hidden(input_ids_1T, position_ids_1T, step, last_positions_N)
         return self._walk(input_ids_1T, position_ids_1T, step, last_positions_N)
 
     def _walk(self, input_ids_BS, position_ids_BS, step: FlexStep, last_positions_N=None) -> torch.Tensor:
