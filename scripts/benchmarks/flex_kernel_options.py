@@ -27,6 +27,8 @@ PREFILL_CANDIDATES = [
 ]
 DECODE_CANDIDATES = [
     {},
+    {"BLOCK_N": 128, "num_stages": 1},
+    {"BLOCK_N": 64, "num_stages": 1, "num_warps": 8},
     {"BLOCK_N": 64, "num_stages": 1},
     {"BLOCK_N": 32},
     {"BLOCK_N": 32, "num_stages": 1},
@@ -37,12 +39,19 @@ DECODE_CANDIDATES = [
 
 
 def time_ms(fn, iters=20):
+    """GPU time per call: `iters` calls captured in one CUDA graph, so that Python and launch
+    overhead (which dominate one small decode call timed eagerly) stay out of the number."""
     fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(iters):
-        fn()
+    graph.replay()
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / iters
