@@ -2,7 +2,8 @@
 
 Gemma-4-E2B shape: 8 query heads, 1 KV head, bf16. Prefill: one packed row of 4096 tokens with a
 causal mask. Decode: 64 rows of one token over a paged pool of 256 pages of 128 tokens, each row
-seeing 8 pages. Each candidate is checked against SDPA (float32 math) and timed with CUDA events.
+seeing 8 pages. Each candidate is checked against SDPA (float32 math) and timed inside a CUDA
+graph (20 calls a replay), so launch overhead stays out.
 
     python scripts/benchmarks/flex_kernel_options.py --out results.json
 """
