@@ -41,6 +41,8 @@ from qwen3_flex_inference import (
     flex_attention_compiled,
     gathered_rows_mask_mod,
     load_causal_lm,
+    project,
+    qkv_projections,
     refresh_lora_merge_from_pristine,
     run_cli,
     run_drift_verification,
@@ -106,12 +108,12 @@ def gemma4_attention_forward(self, hidden_states, position_embeddings, attention
     input_shape = hidden_states.shape[:-1]  # [B, S]
     hidden_shape = (*input_shape, -1, self.head_dim)
     cos, sin = position_embeddings
-    q = self.q_norm(self.q_proj(hidden_states).view(hidden_shape))
-    q = _apply_rotary(q.transpose(1, 2), cos, sin)  # [B, H, S, D]
+    projections = [t.view(hidden_shape) for t in project(self, qkv_projections(self), "fused_qkv_weight", hidden_states)]
+    q = _apply_rotary(self.q_norm(projections[0]).transpose(1, 2), cos, sin)  # [B, H, S, D]
     k = v = None  # KV-shared layers read their store layer's cache
     if not self.is_kv_shared_layer:
-        k = self.k_proj(hidden_states).view(hidden_shape)
-        v = self.v_proj(hidden_states).view(hidden_shape) if self.v_proj is not None else k  # attention_k_eq_v
+        k = projections[1]
+        v = projections[2] if len(projections) == 3 else k  # attention_k_eq_v: values are the raw keys
         k = _apply_rotary(self.k_norm(k).transpose(1, 2), cos, sin)  # [B, H_kv, S, D]
         v = self.v_norm(v).transpose(1, 2)
     attn_output = flex_step.attend(self, q, k, v, self.kv_cache_layer_idx, self.layer_type)

@@ -437,13 +437,45 @@ class FlexStep:
 # ---------------------------------------------------------------------------------------------
 
 
+def qkv_projections(attn) -> list[nn.Module]:
+    """The q/k/v projections an attention layer has (KV-shared Gemma-4 layers: only q)."""
+    return [proj for proj in (getattr(attn, name, None) for name in ("q_proj", "k_proj", "v_proj")) if proj is not None]
+
+
+def fuse_linears(owner: nn.Module, linears: list[nn.Module], name: str) -> None:
+    """Concatenates the weights of linears that read the same input into `owner.<name>`
+    ([sum of outputs, in]) and makes each linear's weight a view of its rows: one GEMM computes
+    them all, and in-place writes to a linear's weight (the LoRA refresh) land in the fused one."""
+    bases = [getattr(linear, "base_layer", linear) for linear in linears]
+    fused = torch.cat([base.weight.detach() for base in bases])
+    start = 0
+    for base in bases:
+        rows = base.weight.shape[0]
+        base.weight = nn.Parameter(fused[start : start + rows], requires_grad=False)
+        start += rows
+    setattr(owner, name, fused)
+    setattr(owner, name + "_sizes", [base.weight.shape[0] for base in bases])
+
+
+def project(owner: nn.Module, linears: list[nn.Module], fused_name: str, x: torch.Tensor) -> list[torch.Tensor]:
+    """Each linear's output: one GEMM over the fused weight when there is one."""
+    fused = getattr(owner, fused_name, None)
+    if fused is None:
+        return [linear(x) for linear in linears]
+    return list(nn.functional.linear(x, fused).split(getattr(owner, fused_name + "_sizes"), dim=-1))
+
+
+def fused_mlp_forward(self, x):
+    """Replaces the gated MLP's forward when gate/up are fused: down(act(gate) * up)."""
+    gate, up = project(self, [self.gate_proj, self.up_proj], "fused_gate_up_weight", x)
+    return self.down_proj(self.act_fn(gate) * up)
+
+
 def qwen3_llama_attention_forward(self, hidden_states, position_embeddings, attention_mask=None, flex_step=None, **kwargs):
     """Replaces Qwen3Attention/LlamaAttention.forward: project, norm (Qwen3), RoPE, paged flex attention."""
     input_shape = hidden_states.shape[:-1]  # [B, S]
     hidden_shape = (*input_shape, -1, self.head_dim)
-    q = self.q_proj(hidden_states).view(hidden_shape)
-    k = self.k_proj(hidden_states).view(hidden_shape)
-    v = self.v_proj(hidden_states).view(hidden_shape)
+    q, k, v = (t.view(hidden_shape) for t in project(self, qkv_projections(self), "fused_qkv_weight", hidden_states))
     if hasattr(self, "q_norm"):  # Qwen3 normalises each head; Llama does not
         q, k = self.q_norm(q), self.k_norm(k)
     cos, sin = position_embeddings
@@ -533,6 +565,7 @@ class FlexInference:
         base_model: nn.Module | None = None,
         peft_model: nn.Module | None = None,
         compile_decode: bool = False,
+        fuse_projections: bool = False,
     ):
         check_engine_limits(max_batch_size, max_seq_length, n_pages, page_size, max_new_tokens)
         self.model = model
@@ -579,6 +612,8 @@ class FlexInference:
         self.graph_pool = None
         self.timings: dict[str, float] = {}
 
+        if fuse_projections:
+            self._fuse_projections(peft_model is not None)
         self.peft_model = peft_model
         self.lora_targets: dict[str, torch.Tensor] = {}
         self.pristine_lora_weights: dict[str, torch.Tensor] = {}
@@ -622,11 +657,26 @@ class FlexInference:
         for attn in self._attention_layers():
             attn.forward = qwen3_llama_attention_forward.__get__(attn)
 
+    def _fuse_projections(self, is_lora_merged: bool) -> None:
+        """q/k/v and gate/up each become one GEMM (fewer, larger GEMMs read weights faster)."""
+        for layer in self.decoder.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = qkv_projections(attn) + [mlp.gate_proj, mlp.up_proj]
+            if any(hasattr(linear, "lora_A") for linear in linears) and not is_lora_merged:
+                raise ValueError("fuse_projections needs merged LoRA weights: drop --no_merge_lora or the fusion")
+            if any(getattr(linear, "base_layer", linear).bias is not None for linear in linears):
+                raise ValueError("fuse_projections supports bias-free projections only")
+            if len(qkv_projections(attn)) > 1:
+                fuse_linears(attn, qkv_projections(attn), "fused_qkv_weight")
+            fuse_linears(mlp, [mlp.gate_proj, mlp.up_proj], "fused_gate_up_weight")
+            mlp.forward = fused_mlp_forward.__get__(mlp)
+
     def restore_model(self) -> None:
         """Gives the model back its own attention forwards (HF generate works again); the engine
         is unusable afterwards."""
-        for attn in self._attention_layers():
-            attn.__dict__.pop("forward", None)
+        for layer in self.decoder.layers:
+            layer.self_attn.__dict__.pop("forward", None)
+            layer.mlp.__dict__.pop("forward", None)
 
     def _forward_hidden(self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor, step: FlexStep) -> torch.Tensor:
         """Walks the decoder layers. Returns the final-normed hidden states [B, S, hidden]."""
@@ -1118,6 +1168,7 @@ def build_arg_parser(default_model_name: str, description: str) -> argparse.Argu
     p.add_argument("--page_size", type=int, default=128, help="tokens per KV page")
     p.add_argument("--capture_cudagraph", action="store_true", help="decode through CUDA graphs, one per batch bucket")
     p.add_argument("--compile_decode", action="store_true", help="torch.compile the whole decode step per batch bucket (fuses norms, RoPE, residuals)")
+    p.add_argument("--fuse_projections", action="store_true", help="one GEMM for q/k/v and one for gate/up per layer (weights become views of the fused ones)")
     p.add_argument("--lora_adapter", default=None, help="PEFT LoRA adapter folder, merged with the double-copy refresh")
     p.add_argument("--no_merge_lora", action="store_true", help="keep the PEFT wrapper unmerged (adapter computed every forward)")
     p.add_argument("--load_in_4bit", action="store_true", help="quantise to bitsandbytes NF4 while loading (CUDA only)")
@@ -1353,6 +1404,7 @@ def run_cli(args, engine_class=None, load_model=None, default_chat_template: str
         fa4_prefill=args.fa4_prefill,
         peft_model=peft_model,
         compile_decode=args.compile_decode,
+        fuse_projections=args.fuse_projections,
     )
     drift = None
     if args.verify_no_drift:

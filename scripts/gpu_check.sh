@@ -63,10 +63,10 @@ run() {  # run NAME CMD...: logs the command, its status and its time
       profile)
         run profile_decode $PY scripts/benchmarks/profile_decode.py --batch_sizes 1 64 --out "$OUT/profile_decode.json" ;;
       rollouts)
-        run rollouts_engine $PY scripts/benchmarks/bench_rollouts.py --systems engine_eager engine_graph engine_compiled_graph \
+        run rollouts_engine $PY scripts/benchmarks/bench_rollouts.py --systems engine_eager engine_graph engine_compiled_graph engine_fused_compiled_graph \
           --out "$OUT/rollouts_engine.json"
         run rollouts_qwen3 $PY scripts/benchmarks/bench_rollouts.py --preset unsloth__Qwen3-4B-Base --batch_sizes 64 \
-          --systems engine_graph engine_compiled_graph --out "$OUT/rollouts_qwen3.json" ;;
+          --systems engine_graph engine_fused_compiled_graph --out "$OUT/rollouts_qwen3.json" ;;
       rollouts_hf)
         run rollouts_hf $PY scripts/benchmarks/bench_rollouts.py --systems hf_dynamic hf_static_compile hf_cb --out "$OUT/rollouts_hf.json" ;;
     esac

@@ -235,3 +235,9 @@ def test_sliding_window_pages_are_recycled_and_tokens_still_match_hf(tiny_dir):
     for i, (seq, w) in enumerate(zip(sequences, want)):
         assert seq.output_ids == w, f"prompt {i}: {seq.output_ids=} {w=}"
     assert window_table.num_used_pages == 0 and window_table.num_free_pages == window_table.n_pages - 1
+
+
+def test_fused_projections_give_the_same_tokens_as_hf(case):
+    engine = make_engine(load_hf(case["path"]), fuse_projections=True)
+    sequences = engine.generate([Sequence(input_ids=ids) for ids in case["prompts"]])
+    assert [s.output_ids for s in sequences] == case["want"]

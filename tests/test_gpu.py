@@ -23,9 +23,9 @@ def engine_class(name):
     return FlexInference
 
 
-@pytest.mark.parametrize("compile_decode", [False, True])
+@pytest.mark.parametrize("options", [{}, {"compile_decode": True, "fuse_projections": True}], ids=["plain", "compiled_fused"])
 @pytest.mark.parametrize("name", ["qwen3", "llama", "gemma4_text"])
-def test_float32_tokens_match_hf_eager_and_with_cuda_graphs(tiny_dir, name, compile_decode):
+def test_float32_tokens_match_hf_eager_and_with_cuda_graphs(tiny_dir, name, options):
     from qwen3_flex_inference import Sequence
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -34,7 +34,7 @@ def test_float32_tokens_match_hf_eager_and_with_cuda_graphs(tiny_dir, name, comp
     prompts = random_prompts([5, 70, 17, 33, 48, 3, 90, 21, 120, 8], hf.config.vocab_size, seed=7)
     engine = engine_class(name)(
         load_hf(path).cuda(), None, max_batch_size=8, max_seq_length=256, n_pages=24, page_size=16,
-        max_new_tokens=MAX_NEW_TOKENS, compile_decode=compile_decode,
+        max_new_tokens=MAX_NEW_TOKENS, **options,
     )
     want = []
     for ids in prompts:  # HF reference on the GPU, float32, no KV cache
@@ -42,7 +42,7 @@ def test_float32_tokens_match_hf_eager_and_with_cuda_graphs(tiny_dir, name, comp
     for use_graph in (False, True):
         sequences = engine.generate([Sequence(input_ids=ids) for ids in prompts], capture_cudagraph=use_graph)
         for i, (seq, w) in enumerate(zip(sequences, want)):
-            assert seq.output_ids == w, f"{name} {use_graph=} {compile_decode=} prompt {i}: {seq.output_ids=} {w=}"
+            assert seq.output_ids == w, f"{name} {use_graph=} {options=} prompt {i}: {seq.output_ids=} {w=}"
     assert sum(seq.num_preemptions for seq in sequences) > 0, "expected the small pool to force preemption"
 
 

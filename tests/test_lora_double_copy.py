@@ -123,3 +123,22 @@ def test_unmerged_peft_wrapper_matches_merged_engine(setup, tiny_dir):
     got = [s.output_ids for s in engine.generate([Sequence(input_ids=ids) for ids in setup["prompts"]])]
     assert not any(layer.merged for layer in lora_layers(unmerged).values())
     assert got == hf_peft_merged_tokens(setup)
+
+
+def test_fused_projections_keep_the_lora_refresh_in_place(setup):
+    """With q/k/v and gate/up fused, the refresh writes through the views into the fused weights."""
+    path = setup["path"]
+    peft_model = PeftModel.from_pretrained(load_hf(path), path / "lora")
+    engine = FlexInference(
+        peft_model, None, max_batch_size=4, max_seq_length=256, n_pages=64, page_size=16,
+        max_new_tokens=MAX_NEW_TOKENS, peft_model=peft_model, fuse_projections=True,
+    )
+    tokens = [s.output_ids for s in engine.generate([Sequence(input_ids=ids) for ids in setup["prompts"]])]
+    assert tokens == hf_peft_merged_tokens(setup)
+    with torch.no_grad():
+        for layer in lora_layers(peft_model).values():
+            layer.lora_B["default"].weight.mul_(-1.5)
+    changed = {k: v.clone() for k, v in peft_model.state_dict().items() if "lora_" in k}
+    engine.refresh_lora()
+    tokens = [s.output_ids for s in engine.generate([Sequence(input_ids=ids) for ids in setup["prompts"]])]
+    assert tokens == hf_peft_merged_tokens(setup, changed)

@@ -129,3 +129,10 @@ def test_compiled_decode_step_gives_the_same_tokens_as_hf(tiny_dir):
     prompts = random_prompts([5, 40, 70], hf.config.vocab_size, seed=11)
     got = generate(engine, prompts)
     assert got == hf_greedy(hf, prompts, MAX_NEW_TOKENS, engine.end_ids)
+
+
+def test_fused_projections_give_the_same_tokens_as_hf(case):
+    engine = make_engine(case["path"], fuse_projections=True)
+    attn = engine.decoder.layers[0].self_attn
+    assert attn.q_proj.weight.data_ptr() == attn.fused_qkv_weight.data_ptr(), "q_proj is not a view of the fused weight"
+    assert generate(engine, case["prompts"]) == case["want"]

@@ -1,7 +1,8 @@
 """Rollout throughput side by side: this engine and Hugging Face generate, one workload, one GPU.
 
-Systems: `engine_eager`, `engine_graph` and `engine_compiled_graph` (this engine: eager decode,
-CUDA-graph decode, and a torch.compile'd decode step captured in CUDA graphs),
+Systems: `engine_eager`, `engine_graph`, `engine_compiled_graph` and `engine_fused_compiled_graph`
+(this engine: eager decode, CUDA-graph decode, a torch.compile'd decode step captured in CUDA
+graphs, and that with q/k/v and gate/up fused into one GEMM each),
 `hf_dynamic` (generate, dynamic cache), `hf_static_compile` (generate, static cache,
 torch.compile), `hf_cb` (generate_batch continuous batching, where the installed transformers has
 it; an error is recorded when it refuses the model). Workload: a `--load_format dummy` model from
@@ -28,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from qwen3_flex_inference import FlexInference, Sequence  # noqa: E402
 
-SYSTEMS = ["engine_eager", "engine_graph", "engine_compiled_graph", "hf_dynamic", "hf_static_compile", "hf_cb"]
+SYSTEMS = ["engine_eager", "engine_graph", "engine_compiled_graph", "engine_fused_compiled_graph", "hf_dynamic", "hf_static_compile", "hf_cb"]
 
 
 def copy_bandwidth_gbs(device) -> float:
@@ -90,7 +91,7 @@ def kv_bytes_per_step(engine, batch_size: int, prompt_len: int, new_tokens: int)
     return total * batch_size
 
 
-def make_engine(model, batch_size, prompt_len, new_tokens, compile_decode=False):
+def make_engine(model, batch_size, prompt_len, new_tokens, **options):
     max_seq_length = -(-(prompt_len + new_tokens + 1) // 128) * 128
     if "gemma4" in model.config.model_type:
         from gemma4_flex_inference import FlexGemma4Inference as engine_class
@@ -101,7 +102,7 @@ def make_engine(model, batch_size, prompt_len, new_tokens, compile_decode=False)
     n_pages = batch_size * (max_seq_length // page_size) + 1
     engine = engine_class(
         model, None, max_batch_size=batch_size, max_seq_length=max_seq_length, n_pages=n_pages, page_size=page_size,
-        max_new_tokens=new_tokens, compile_decode=compile_decode,
+        max_new_tokens=new_tokens, **options,
     )
     engine.end_ids = set()
     return engine
@@ -112,10 +113,10 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def run_engine(model, prompts, new_tokens, use_graph, compile_decode=False):
+def run_engine(model, prompts, new_tokens, use_graph, **options):
     """Warm-up round (compile, capture), then a timed round. Decode/prefill split from the engine."""
     device = model.device
-    engine = make_engine(model, len(prompts), len(prompts[0]), new_tokens, compile_decode)
+    engine = make_engine(model, len(prompts), len(prompts[0]), new_tokens, **options)
     start = time.perf_counter()
     engine.generate([Sequence(input_ids=p, max_new_tokens=new_tokens) for p in prompts], capture_cudagraph=use_graph)
     sync(device)
@@ -234,7 +235,8 @@ def main() -> int:
                 use_graph = system != "engine_eager"
                 if use_graph and device.type != "cuda":
                     continue
-                result, engine = run_engine(model, prompts, args.new_tokens, use_graph, system == "engine_compiled_graph")
+                options = dict(compile_decode="compiled" in system, fuse_projections="fused" in system)
+                result, engine = run_engine(model, prompts, args.new_tokens, use_graph, **options)
                 kv_bytes = kv_bytes_per_step(engine, batch_size, args.prompt_len, args.new_tokens)
                 engine.restore_model()
                 del engine
