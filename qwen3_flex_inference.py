@@ -106,7 +106,6 @@ class PageTable:
         self.physical_to_logical = self.physical_to_logical_cpu.to(self.device)
         self.free_pages = deque(range(1, n_pages))
         self.free_batch_idx = deque(range(1, max_batch_size))
-        self.capacity = [0] * max_batch_size  # tokens each slot's logical blocks cover
         # physical page of each logical block, in logical order; None once trimmed
         self.pages_of: list[list[int | None]] = [[] for _ in range(max_batch_size)]
         self.is_dirty = False
@@ -118,6 +117,11 @@ class PageTable:
     @property
     def num_used_pages(self) -> int:
         return sum(page is not None for pages in self.pages_of for page in pages)
+
+    @property
+    def capacity(self) -> list[int]:
+        """Tokens each slot's logical blocks cover (trimmed blocks included)."""
+        return [len(pages) * self.page_size for pages in self.pages_of]
 
     def num_pages_of(self, batch_idx: int) -> int:
         return sum(page is not None for page in self.pages_of[batch_idx])
@@ -160,7 +164,6 @@ class PageTable:
             self.physical_to_logical_cpu[batch_idx, physical_page_idx] = logical_block_idx
             pages.append(physical_page_idx)
             self.is_dirty = True
-        self.capacity[batch_idx] = len(pages) * self.page_size
 
     def trim(self, batch_idx: int, first_needed_pos: int) -> None:
         """Recycles the pages of slot `batch_idx`'s blocks that end before `first_needed_pos`."""
@@ -178,7 +181,6 @@ class PageTable:
         """Returns all of slot `batch_idx`'s pages (and, unless told otherwise, the slot) to the pools."""
         self.trim(batch_idx, len(self.pages_of[batch_idx]) * self.page_size)
         self.pages_of[batch_idx] = []
-        self.capacity[batch_idx] = 0
         if release_slot:
             self.free_batch_idx.append(batch_idx)
 
