@@ -254,10 +254,10 @@ class PagedKVCache:
     def write(self, k: torch.Tensor, v: torch.Tensor, physical_slots: torch.Tensor) -> None:
         """k, v: [B, H_kv, S, D] with B * S == len(physical_slots) (packed prefill: B = 1; decode: S = 1)."""
         B, H, S, D = k.shape
-        k_HND = k.transpose(0, 1).reshape(H, B * S, D)
-        v_HND = v.transpose(0, 1).reshape(H, B * S, D)
-        self.k_cache[0].index_copy_(1, physical_slots, k_HND)
-        self.v_cache[0].index_copy_(1, physical_slots, v_HND)
+        # NOTE: an index_put_ on the whole cache; inductor turns index_copy_ on the [0] view
+        # into a copy of the entire cache per write.
+        self.k_cache[:, :, physical_slots] = k.transpose(0, 1).reshape(1, H, B * S, D)
+        self.v_cache[:, :, physical_slots] = v.transpose(0, 1).reshape(1, H, B * S, D)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -532,9 +532,9 @@ def sequences_last_positions(sequences: list[Sequence]) -> list[int]:
     return ends
 
 
-def batch_buckets(max_batch_size: int) -> list[int]:
-    """1, 2, 4, ... up to max_batch_size (always included)."""
-    buckets, size = [], 1
+def batch_buckets(max_batch_size: int, smallest: int = 1) -> list[int]:
+    """smallest, 2 * smallest, ... up to max_batch_size (always included)."""
+    buckets, size = [], min(smallest, max_batch_size)
     while size < max_batch_size:
         buckets.append(size)
         size *= 2
@@ -607,9 +607,14 @@ class FlexInference:
         }
         # Static decode inputs (CUDA graphs read them in place): rows 0..B-1 of each.
         self.static_step_inputs = torch.zeros(3, max_batch_size, dtype=torch.long, device=self.device)
-        # compile_decode: the whole step (masks, layer walk, logits) is one torch.compile graph per
-        # batch bucket, so norms, RoPE, residuals and PLE fuse; CUDA graphs then capture it.
-        self.decode_step = torch.compile(self._decode_step, fullgraph=True, dynamic=False) if compile_decode else self._decode_step
+        # compile_decode: the whole step (masks, layer walk, logits) is one torch.compile graph with
+        # a symbolic batch size, compiled once for every bucket, so norms, RoPE, residuals and PLE
+        # fuse; CUDA graphs then capture it per bucket.
+        # NOTE: torch.compile specializes a size of 1, so the compiled step's buckets start at 2 (a
+        # single sequence decodes beside one padding row): one compile instead of two.
+        self.compile_decode = compile_decode
+        self.decode_step = torch.compile(self._decode_step, fullgraph=True) if compile_decode else self._decode_step
+        self.buckets = batch_buckets(max_batch_size, smallest=2 if compile_decode else 1)
         self.cuda_graphs: dict[int, tuple] = {}
         self.graph_pool = None
         self.timings: dict[str, float] = {}
@@ -807,46 +812,59 @@ class FlexInference:
     def _run_decode(self, running: list[Sequence], use_graph: bool) -> tuple[list[int], torch.Tensor]:
         B = len(running)
         # Eager decode pads to the same buckets as the graphs: one compiled kernel per bucket.
-        bucket = next(b for b in batch_buckets(self.max_batch_size) if b >= B)
+        bucket = next(b for b in self.buckets if b >= B)
         # Rows: last token, its position, batch slot; padding rows aim at the reserved slot 0.
         step_inputs = torch.zeros(3, bucket, dtype=torch.long)
         step_inputs[0, :B] = torch.tensor([seq.token_ids[-1] for seq in running])
         step_inputs[1, :B] = torch.tensor([seq.seq_len - 1 for seq in running])
         step_inputs[2, :B] = torch.tensor([seq.batch_idx for seq in running])
         self._flush_page_tables()
-        static = self.static_step_inputs[:, :bucket]
-        static.copy_(step_inputs, non_blocking=True)
+        self.static_step_inputs[:, :bucket].copy_(step_inputs, non_blocking=True)
         if use_graph:
             graph, next_ids, logits = self.cuda_graphs[bucket]
             graph.replay()
         else:
-            next_ids, logits = self.decode_step(static[0], static[1], static[2])
+            next_ids, logits = self.decode_step(*self._static_step_inputs(bucket))
         return next_ids[:B].tolist(), logits[:B]  # the one device->host sync per decode step
 
+    def _static_step_inputs(self, bucket: int) -> list[torch.Tensor]:
+        """Rows 0..bucket-1 of the static input ids, positions and batch slots; the compiled step
+        sees their batch size as symbolic."""
+        inputs = list(self.static_step_inputs[:, :bucket])
+        if self.compile_decode and bucket > 1:
+            for t in inputs:
+                torch._dynamo.mark_dynamic(t, 0)
+        return inputs
+
     @torch.inference_mode()
-    def capture_cuda_graphs(self) -> None:
-        """One graph per batch bucket, largest first, all in one memory pool."""
+    def capture_cuda_graphs(self, buckets: list[int] | None = None) -> None:
+        """One graph per batch bucket (default: all), largest first, all in one memory pool."""
         if self.device.type != "cuda":
             raise SystemExit("--capture_cudagraph needs a CUDA device")
-        if self.cuda_graphs:
+        buckets = [b for b in (buckets or self.buckets) if b not in self.cuda_graphs]
+        if not buckets:
             return
         start = time.perf_counter()
         self._flush_page_tables()
-        for bucket in reversed(batch_buckets(self.max_batch_size)):
-            static = self.static_step_inputs[:, :bucket]
-            static.zero_()  # every row a padding row: slot 0, page 0
+        bucket_s = {}
+        for bucket in sorted(buckets, reverse=True):
+            bucket_start = time.perf_counter()
+            self.static_step_inputs[:, :bucket].zero_()  # every row a padding row: slot 0, page 0
+            step_inputs = self._static_step_inputs(bucket)
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):  # eager warm-up compiles this bucket's kernels
-                self.decode_step(static[0], static[1], static[2])
+                self.decode_step(*step_inputs)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.graph_pool):
-                next_ids, logits = self.decode_step(static[0], static[1], static[2])
+                next_ids, logits = self.decode_step(*step_inputs)
             self.graph_pool = graph.pool()
             self.cuda_graphs[bucket] = (graph, next_ids, logits)
+            bucket_s[bucket] = time.perf_counter() - bucket_start
         torch.cuda.synchronize()
         self.timings["capture_s"] = time.perf_counter() - start
+        self.timings["capture_s_per_bucket"] = bucket_s
 
     # --- scheduler --------------------------------------------------------------------------
 
@@ -1169,7 +1187,7 @@ def build_arg_parser(default_model_name: str, description: str) -> argparse.Argu
     p.add_argument("--n_pages", type=int, default=2048, help="pages in the KV pool (page 0 is reserved)")
     p.add_argument("--page_size", type=int, default=128, help="tokens per KV page")
     p.add_argument("--capture_cudagraph", action="store_true", help="decode through CUDA graphs, one per batch bucket")
-    p.add_argument("--compile_decode", action="store_true", help="torch.compile the whole decode step per batch bucket (fuses norms, RoPE, residuals)")
+    p.add_argument("--compile_decode", action="store_true", help="torch.compile the whole decode step once for all batch buckets (fuses norms, RoPE, residuals)")
     p.add_argument("--fuse_projections", action="store_true", help="one GEMM for q/k/v and one for gate/up per layer (weights become views of the fused ones)")
     p.add_argument("--lora_adapter", default=None, help="PEFT LoRA adapter folder, merged with the double-copy refresh")
     p.add_argument("--no_merge_lora", action="store_true", help="keep the PEFT wrapper unmerged (adapter computed every forward)")

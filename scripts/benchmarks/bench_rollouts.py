@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from qwen3_flex_inference import FlexInference, Sequence  # noqa: E402
+from scripts.benchmarks.profile_decode import decode_kernel_table  # noqa: E402
 
 SYSTEMS = ["engine_eager", "engine_graph", "engine_compiled_graph", "engine_fused_compiled_graph", "hf_dynamic", "hf_static_compile", "hf_cb"]
 
@@ -144,6 +145,8 @@ def run_engine(model, prompts, new_tokens, use_graph, **options):
         "warmup_s": warmup_s - wall_s,
         "wall_s": wall_s,
         "tokens": sum(len(s.output_ids) for s in sequences),
+        "capture_s": timings.get("capture_s", float("nan")),
+        "capture_s_per_bucket": timings.get("capture_s_per_bucket", {}),
     }
     return result, engine
 
@@ -216,6 +219,7 @@ def main() -> int:
     parser.add_argument("--new_tokens", type=int, default=512, help="new tokens per sequence (end ids ignored)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda or cpu")
     parser.add_argument("--dtype", default="bfloat16", help="model dtype")
+    parser.add_argument("--profile", action="store_true", help="add each engine system's GPU time per kernel class (torch.profiler)")
     parser.add_argument("--out", default=None, help="write all results as JSON here")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -237,6 +241,8 @@ def main() -> int:
                     continue
                 options = dict(compile_decode="compiled" in system, fuse_projections="fused" in system)
                 result, engine = run_engine(model, prompts, args.new_tokens, use_graph, **options)
+                if args.profile and device.type == "cuda":  # the same kernels as the graph replays
+                    result["top_kernels"], result["kernel_classes"] = decode_kernel_table(engine, prompts, num_steps=8, top=40)
                 kv_bytes = kv_bytes_per_step(engine, batch_size, args.prompt_len, args.new_tokens)
                 engine.restore_model()
                 del engine
@@ -278,6 +284,10 @@ def main() -> int:
             f"| {r['prefill_tps']:,.0f} ({r.get('prefill_tps_no_shortcut', float('nan')):,.0f}) | {r['ttft_s']:.3f} "
             f"| {r['warmup_s']:.1f} | {r['peak_memory_gb']:.2f} |"
         )
+    for r in rows:
+        if "kernel_classes" in r:
+            classes = ", ".join(f"{cls} {v['us_per_step'] / 1e3:.2f} ms ({v['calls_per_step']:.0f})" for cls, v in sorted(r["kernel_classes"].items(), key=lambda kv: -kv[1]["us_per_step"]))
+            print(f"{r['system']} b{r['batch_size']}: GPU time per step by kernel class (kernels): {classes}")
     return 0
 
 

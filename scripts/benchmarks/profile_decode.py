@@ -1,5 +1,5 @@
 """Where a decode step's time goes: per-kernel GPU time of eager decode steps (torch.profiler),
-and the replay time of each captured CUDA graph bucket (CUDA events).
+by kernel class and top kernels, and the replay time of the batch's CUDA graph (CUDA events).
 
     python scripts/benchmarks/profile_decode.py --preset unsloth__gemma-4-E2B-it --batch_sizes 1 64
 """
@@ -7,6 +7,7 @@ and the replay time of each captured CUDA graph bucket (CUDA events).
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -17,7 +18,7 @@ sys.path.insert(0, str(ROOT))
 from qwen3_flex_inference import FlexInference, Sequence  # noqa: E402
 
 
-def build(preset: str, max_batch_size: int):
+def build(preset: str, max_batch_size: int, **options):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(**json.loads((ROOT / "scripts/presets" / f"{preset}.json").read_text()))
@@ -28,39 +29,78 @@ def build(preset: str, max_batch_size: int):
         from gemma4_flex_inference import FlexGemma4Inference as engine_class
     else:
         engine_class = FlexInference
-    engine = engine_class(model, None, max_batch_size=max_batch_size, max_seq_length=1024, n_pages=1024, page_size=128, max_new_tokens=32)
+    engine = engine_class(model, None, max_batch_size=max_batch_size, max_seq_length=1024, n_pages=1024, page_size=128, max_new_tokens=32, **options)
     engine.end_ids = set()
     return engine, config
 
 
-def kernel_table(prof, num_steps: int, top: int = 25) -> list[dict]:
-    rows = []
+KERNEL_CLASSES = [  # (class, substrings of the kernel name), first match wins
+    ("flex attention", ("flex", "triton_tem")),
+    ("GEMM", ("gemm", "gemv", "nvjet", "cutlass", "sm90_", "splitk")),
+    ("copy / cast", ("copy", "memcpy", "memset", "cat", "to_copy", "Memcpy", "Memset")),
+    ("reduction", ("reduce", "triton_red", "triton_per", "softmax", "argmax")),
+    ("elementwise", ("elementwise", "triton_poi", "vectorized", "unrolled")),
+]
+
+
+def kernel_class(name: str) -> str:
+    return next((cls for cls, keys in KERNEL_CLASSES if any(k in name for k in keys)), "other")
+
+
+def kernel_times(engine, prompts, new_tokens: int) -> dict[str, list[float]]:
+    """GPU time (us) and calls per kernel name over one generate call."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        engine.generate([Sequence(input_ids=p, max_new_tokens=new_tokens) for p in prompts])
+        torch.cuda.synchronize()
+    times = {}
     for event in prof.key_averages():
         device_us = getattr(event, "self_device_time_total", 0) or getattr(event, "self_cuda_time_total", 0)
         if device_us > 0 and event.device_type == torch.autograd.DeviceType.CUDA:
-            rows.append({"kernel": event.key[:110], "calls_per_step": event.count / num_steps, "us_per_step": device_us / num_steps})
+            times[event.key] = [device_us, event.count]
+    return times
+
+
+def decode_kernel_table(engine, prompts, num_steps: int, top: int = 25) -> tuple[list[dict], dict]:
+    """The top kernels of a decode step and its GPU time per kernel class, in us per step: a
+    generate of num_steps + 1 tokens minus one of 1 token (the prefill)."""
+    prefill = kernel_times(engine, prompts, 1)
+    rows = []
+    for name, (us, count) in kernel_times(engine, prompts, num_steps + 1).items():
+        prefill_us, prefill_count = prefill.get(name, (0.0, 0))
+        if count > prefill_count:
+            rows.append({"kernel": name, "calls_per_step": (count - prefill_count) / num_steps, "us_per_step": (us - prefill_us) / num_steps})
     rows.sort(key=lambda r: -r["us_per_step"])
-    return rows[:top]
+    for row in rows:
+        row["kernel"] = row["kernel"][:110]
+    classes = {}
+    for row in rows:
+        cls = classes.setdefault(kernel_class(row["kernel"]), {"us_per_step": 0.0, "calls_per_step": 0.0})
+        cls["us_per_step"] += row["us_per_step"]
+        cls["calls_per_step"] += row["calls_per_step"]
+    return rows[:top], classes
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="unsloth__gemma-4-E2B-it", help="model preset under scripts/presets")
     parser.add_argument("--batch_sizes", type=int, nargs="+", default=[1, 64], help="decode batch sizes to profile")
+    parser.add_argument("--compile_decode", action="store_true", help="profile the torch.compile'd decode step")
+    parser.add_argument("--fuse_projections", action="store_true", help="fuse q/k/v and gate/up into one GEMM each")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
     results = {}
     for batch_size in args.batch_sizes:
-        engine, config = build(args.preset, batch_size)
+        engine, config = build(args.preset, batch_size, compile_decode=args.compile_decode, fuse_projections=args.fuse_projections)
         prompts = [torch.randint(3, config.vocab_size, (128,)).tolist() for _ in range(batch_size)]
+        start = time.perf_counter()
         engine.generate([Sequence(input_ids=p, max_new_tokens=4) for p in prompts])  # compile
-        num_steps = 16
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            engine.generate([Sequence(input_ids=p, max_new_tokens=num_steps + 1) for p in prompts])
-            torch.cuda.synchronize()
-        table = kernel_table(prof, num_steps + 1)  # prefill is one extra "step" in the totals
-        engine.capture_cuda_graphs()
-        graph, _, _ = engine.cuda_graphs[batch_size]
+        first_generate_s = time.perf_counter() - start
+        table, classes = decode_kernel_table(engine, prompts, num_steps=16)
+        start = time.perf_counter()
+        bucket = next(b for b in engine.buckets if b >= batch_size)
+        engine.capture_cuda_graphs([bucket])
+        capture_s = time.perf_counter() - start
+        graph, _, _ = engine.cuda_graphs[bucket]
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         graph.replay()
         torch.cuda.synchronize()
@@ -70,8 +110,11 @@ def main() -> int:
         end.record()
         torch.cuda.synchronize()
         replay_ms = start.elapsed_time(end) / 50
-        results[batch_size] = {"graph_replay_ms": replay_ms, "kernels": table}
-        print(f"== batch {batch_size}: CUDA graph replay {replay_ms:.3f} ms/step; top kernels (eager steps, us/step):")
+        results[batch_size] = {"graph_replay_ms": replay_ms, "first_generate_s": first_generate_s, "capture_s": capture_s, "classes": classes, "kernels": table}
+        print(f"== batch {batch_size}: CUDA graph replay {replay_ms:.3f} ms/step; first generate (compiles) {first_generate_s:.1f} s, "
+              f"capture {capture_s:.1f} s; top kernels (eager steps, us/step):")
+        for cls, row in sorted(classes.items(), key=lambda item: -item[1]["us_per_step"]):
+            print(f"{row['us_per_step']:9.1f} us  {row['calls_per_step']:6.1f}x  class: {cls}")
         for row in table:
             print(f"{row['us_per_step']:9.1f} us  {row['calls_per_step']:6.1f}x  {row['kernel']}")
         del engine
