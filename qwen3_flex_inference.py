@@ -25,7 +25,6 @@ import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch._dynamo
@@ -201,40 +200,30 @@ class PageTable:
             slots.append(0 if page is None else page * self.page_size + pos % self.page_size)
         return slots
 
-    def convert_logical_block_mask(self, logical_mask: BlockMask, batch_idx_B: torch.Tensor, mask_mod) -> BlockMask:
-        """Maps a per-row logical block mask ([B, 1, 1, max_logical_blocks]) to physical pages
-        ([B, 1, 1, n_pages], only the first kv_num_blocks of each row are read).
-
-        `mask_mod(b, h, q_idx, logical_kv_idx)` is wrapped so that it sees logical positions and
-        is False on every page the row's slot does not own: exact on its own, with or without the
-        block indices (eager flex on CPU applies only the mask_mod).
-        """
+    def decode_mask(self, logical_rows: BlockMask, input_pos_B: torch.Tensor, batch_idx_B: torch.Tensor, sliding_window) -> PagedDecodeMask:
+        """Maps each decode row's logical blocks ([B, 1, 1, max_logical_blocks]) to physical pages
+        ([B, 1, 1, n_pages], only the first kv_num_blocks of each row are read)."""
         page_table_B = self.page_table[batch_idx_B].long()  # [B, max_logical_blocks]
 
-        def to_physical(logical_indices, num_blocks):
+        def to_physical(logical_indices):
             B = logical_indices.shape[0]
             physical_BL = torch.gather(page_table_B, 1, logical_indices.view(B, -1).long()).to(torch.int32)
             # NOTE: the kernel checks kv_indices covers the whole KV length (n_pages blocks).
             physical_BP = nn.functional.pad(physical_BL, (0, self.n_pages - physical_BL.shape[1]))
-            return num_blocks, physical_BP.view(B, 1, 1, self.n_pages)
+            return physical_BP.view(B, 1, 1, self.n_pages)
 
-        return decode_block_mask(
-            to_physical(logical_mask.kv_indices, logical_mask.kv_num_blocks),
-            to_physical(logical_mask.full_kv_indices, logical_mask.full_kv_num_blocks),
-            (logical_mask.BLOCK_SIZE[0], self.page_size),
-            self.physical_mask_mod(mask_mod, batch_idx_B),
-            self.n_pages * self.page_size,
+        return PagedDecodeMask(
+            logical_rows.kv_num_blocks,
+            to_physical(logical_rows.kv_indices),
+            logical_rows.full_kv_num_blocks,
+            to_physical(logical_rows.full_kv_indices),
+            input_pos_B,
+            batch_idx_B,
+            self.physical_to_logical,
+            self.page_size,
+            logical_rows.BLOCK_SIZE[0],
+            sliding_window or 0,
         )
-
-    def physical_mask_mod(self, logical_mask_mod, batch_idx_B: torch.Tensor):
-        page_size, physical_to_logical = self.page_size, self.physical_to_logical
-
-        def mask_mod(b, h, q_idx, physical_kv_idx):
-            logical_block_idx = physical_to_logical[batch_idx_B[b], physical_kv_idx // page_size]
-            logical_kv_idx = logical_block_idx * page_size + physical_kv_idx % page_size
-            return (logical_block_idx >= 0) & logical_mask_mod(b, h, q_idx, logical_kv_idx)
-
-        return mask_mod
 
 
 class PagedKVCache:
@@ -331,6 +320,46 @@ def decode_block_mask(kv_blocks, full_kv_blocks, block_size, mask_mod, kv_length
     )
 
 
+def physical_mask_mod(logical_mask_mod, physical_to_logical: torch.Tensor, batch_idx_B: torch.Tensor, page_size: int):
+    """`logical_mask_mod` over physical cache rows: False on every page the row's slot does not
+    own, so it is exact on its own, with or without the block indices (eager flex on CPU applies
+    only the mask_mod)."""
+
+    def mask_mod(b, h, q_idx, physical_kv_idx):
+        logical_block_idx = physical_to_logical[batch_idx_B[b], physical_kv_idx // page_size]
+        logical_kv_idx = logical_block_idx * page_size + physical_kv_idx % page_size
+        return (logical_block_idx >= 0) & logical_mask_mod(b, h, q_idx, logical_kv_idx)
+
+    return mask_mod
+
+
+@dataclass
+class PagedDecodeMask:
+    """One attention regime's decode mask as tensors and numbers, so it can cross into the decode
+    attention op (`paged_decode_attention`), which rebuilds the BlockMask and its mask_mod."""
+
+    kv_num_blocks: torch.Tensor  # [B, 1, 1]
+    kv_indices: torch.Tensor  # [B, 1, 1, n_pages] physical pages
+    full_kv_num_blocks: torch.Tensor  # [B, 1, 1]
+    full_kv_indices: torch.Tensor  # [B, 1, 1, n_pages]
+    input_pos_B: torch.Tensor  # logical position of each row's query token
+    batch_idx_B: torch.Tensor  # each row's batch slot
+    physical_to_logical: torch.Tensor  # [slots, n_pages] -> logical block, -1 if not owned
+    page_size: int
+    q_block_size: int
+    sliding_window: int  # 0: full causal
+
+    def block_mask(self) -> BlockMask:
+        logical_mask_mod = offset_mask_mod(causal_mask_mod(self.sliding_window or None), self.input_pos_B)
+        return decode_block_mask(
+            (self.kv_num_blocks, self.kv_indices),
+            (self.full_kv_num_blocks, self.full_kv_indices),
+            (self.q_block_size, self.page_size),
+            physical_mask_mod(logical_mask_mod, self.physical_to_logical, self.batch_idx_B, self.page_size),
+            self.physical_to_logical.shape[1] * self.page_size,
+        )
+
+
 # ---------------------------------------------------------------------------------------------
 # flex_attention, kernel options, rotary
 # ---------------------------------------------------------------------------------------------
@@ -365,6 +394,47 @@ def mark_all_static(*tensors) -> None:
                 torch._dynamo.mark_static(t, dim)
 
 
+@torch.library.custom_op("flex_inference::paged_decode_attention", mutates_args=())
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_num_blocks: torch.Tensor,
+    kv_indices: torch.Tensor,
+    full_kv_num_blocks: torch.Tensor,
+    full_kv_indices: torch.Tensor,
+    input_pos_B: torch.Tensor,
+    batch_idx_B: torch.Tensor,
+    physical_to_logical: torch.Tensor,
+    page_size: int,
+    q_block_size: int,
+    sliding_window: int,
+    scale: float,
+    kernel_options: str,
+) -> torch.Tensor:
+    """Decode attention over the paged cache: q [B, H, 1, D], caches [1, H_kv, rows, D] -> [B, H, 1, D].
+
+    An opaque op, so a compiled decode step with a symbolic batch size calls flex_attention's
+    decode kernel compiled for the concrete batch bucket (see the NOTE in FlexInference).
+    """
+    block_mask = PagedDecodeMask(
+        kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, input_pos_B, batch_idx_B, physical_to_logical,
+        page_size, q_block_size, sliding_window,
+    ).block_mask()
+    # NOTE: automatic dynamic shapes would make a dimension symbolic once a second value is seen;
+    # decode wants everything static (the CPU kernel indexes out of bounds with a symbolic KV length).
+    mark_all_static(q, k_cache, v_cache, *block_mask.as_tuple()[2:6])
+    out = flex_attention_compiled(
+        q, k_cache, v_cache, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k_cache.shape[1], kernel_options=json.loads(kernel_options)
+    )
+    return out.contiguous()
+
+
+@paged_decode_attention.register_fake
+def _(q, *args):
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
 def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """HF's rotate-half RoPE. x: [B, H, S, D]; cos, sin: [B, S, D] from the model's own rotary module."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
@@ -391,10 +461,10 @@ class FlexStep:
     """
 
     is_prefill: bool
-    block_masks: dict  # attention regime -> BlockMask
+    block_masks: dict  # attention regime -> BlockMask (prefill) or PagedDecodeMask (decode)
     physical_slots: dict  # attention regime -> [B * S] cache row of every token in that regime's pool
     kv_caches: list  # PagedKVCache per layer; None for layers that own no cache
-    kernel_options: Callable[[bool, int], dict]
+    kernel_options: dict  # head_dim -> kernel options (decode: as JSON)
     packed_kv: dict = field(default_factory=dict)  # prefill: cache layer -> fresh (k, v)
     document_id_T: torch.Tensor | None = None  # prefill: which sequence each packed token belongs to
 
@@ -408,29 +478,23 @@ class FlexStep:
             cache.write(k, v, self.physical_slots[regime])
             if self.is_prefill:
                 self.packed_kv[cache_layer_idx] = (k, v)
-        if self.is_prefill:
-            k, v = self.packed_kv[cache_layer_idx]
-        else:
-            k, v = cache.k_cache, cache.v_cache
-        head_dim = q.shape[-1]
-        block_mask = self.block_masks[regime]
+        kernel_options = self.kernel_options[q.shape[-1]]
+        if not self.is_prefill:
+            m = self.block_masks[regime]
+            return paged_decode_attention(
+                q, cache.k_cache, cache.v_cache, m.kv_num_blocks, m.kv_indices, m.full_kv_num_blocks, m.full_kv_indices,
+                m.input_pos_B, m.batch_idx_B, m.physical_to_logical, m.page_size, m.q_block_size, m.sliding_window,
+                float(module.scaling), kernel_options,
+            )
+        k, v = self.packed_kv[cache_layer_idx]
         # NOTE: automatic dynamic shapes would make a dimension symbolic once a second value is
-        # seen. Decode wants everything static (batch bucket, KV pool size: the CPU kernel indexes
-        # out of bounds with a symbolic KV length); prefill keeps only the packed length dynamic.
-        if self.is_prefill and not torch.compiler.is_compiling():
+        # seen; prefill keeps only the packed length dynamic.
+        if not torch.compiler.is_compiling():
             for t in (q, k, v):
                 for dim in (0, 1, 3):
                     torch._dynamo.mark_static(t, dim)
-        elif not self.is_prefill:
-            mark_all_static(q, k, v, *block_mask.as_tuple()[2:6])
         return flex_attention_compiled(
-            q,
-            k,
-            v,
-            block_mask=block_mask,
-            scale=module.scaling,
-            enable_gqa=q.shape[1] != k.shape[1],
-            kernel_options=self.kernel_options(self.is_prefill, head_dim),
+            q, k, v, block_mask=self.block_masks[regime], scale=module.scaling, enable_gqa=q.shape[1] != k.shape[1], kernel_options=kernel_options
         )
 
 
@@ -597,6 +661,12 @@ class FlexInference:
         self.page_table = self.page_tables.get(FULL_ATTENTION) or next(iter(self.page_tables.values()))
         self.kv_caches = self._build_kv_caches()
         self.fa4_prefill = self._resolve_fa4_prefill(fa4_prefill)
+        head_dims = sorted({attn.head_dim for attn in self._attention_layers()})
+        # head_dim -> kernel options; decode's cross into the decode attention op as JSON
+        self.step_kernel_options = {
+            True: {D: self.kernel_options(True, D) for D in head_dims},
+            False: {D: json.dumps(self.kernel_options(False, D)) for D in head_dims},
+        }
         self._patch_model()
         # One logical causal mask per regime, built once; each decode step slices its rows.
         self.logical_decode_masks = {
@@ -749,7 +819,7 @@ class FlexInference:
         }
         self._flush_page_tables()
         slots = {regime: inputs_RT[3 + i] for i, regime in enumerate(regimes)}
-        step = FlexStep(True, block_masks, slots, self.kv_caches, self.kernel_options, document_id_T=document_id_T)
+        step = FlexStep(True, block_masks, slots, self.kv_caches, self.step_kernel_options[True], document_id_T=document_id_T)
         return inputs_RT[0:1], inputs_RT[1:2], step
 
     def _prefill(self, sequences: list[Sequence]) -> tuple[list[int], torch.Tensor]:
@@ -799,12 +869,11 @@ class FlexInference:
         for regime, logical_mask in self.logical_decode_masks.items():
             table = self.page_tables[regime]
             logical_rows = slice_logical_block_mask(logical_mask, input_pos_B)
-            mask_mod = offset_mask_mod(logical_mask.mask_mod, input_pos_B)
-            block_masks[regime] = table.convert_logical_block_mask(logical_rows, batch_idx_B, mask_mod)
+            block_masks[regime] = table.decode_mask(logical_rows, input_pos_B, batch_idx_B, self.attention_regimes[regime])
             # page_table[batch_idx, logical_block] -> physical_page; cache row = page * page_size + offset
             page_B = table.page_table[batch_idx_B, input_pos_B // self.page_size].long()
             physical_slots[regime] = page_B * self.page_size + input_pos_B % self.page_size
-        step = FlexStep(False, block_masks, physical_slots, self.kv_caches, self.kernel_options)
+        step = FlexStep(False, block_masks, physical_slots, self.kv_caches, self.step_kernel_options[False])
         hidden_B1E = self._forward_hidden(input_ids_B[:, None], input_pos_B[:, None], step)
         logits_BV = self._logits(hidden_B1E[:, -1])
         return logits_BV.argmax(-1), logits_BV
