@@ -103,6 +103,7 @@ class PageTable:
         self.physical_to_logical_cpu[0, 0] = 0
         self.page_table = self.page_table_cpu.to(self.device)
         self.physical_to_logical = self.physical_to_logical_cpu.to(self.device)
+        mark_all_static(self.page_table, self.physical_to_logical)
         self.free_pages = deque(range(1, n_pages))
         self.free_batch_idx = deque(range(1, max_batch_size))
         # physical page of each logical block, in logical order; None once trimmed
@@ -234,6 +235,7 @@ class PagedKVCache:
         # k_cache, v_cache: [1, H_kv, n_pages * page_size, D]; row = physical_page * page_size + offset
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        mark_all_static(self.k_cache, self.v_cache)
 
     @property
     def bytes_per_token(self) -> int:
@@ -385,7 +387,7 @@ def default_kernel_options(is_prefill: bool, head_dim: int, device: torch.device
 
 def mark_all_static(*tensors) -> None:
     """Keeps torch.compile from treating any dimension of these tensors as dynamic (a no-op while
-    tracing a compiled decode step, whose inputs are static already)."""
+    tracing: marks count only on the inputs of a compiled call)."""
     if torch.compiler.is_compiling():
         return
     for t in tensors:
@@ -422,8 +424,9 @@ def paged_decode_attention(
         page_size, q_block_size, sliding_window,
     ).block_mask()
     # NOTE: automatic dynamic shapes would make a dimension symbolic once a second value is seen;
-    # decode wants everything static (the CPU kernel indexes out of bounds with a symbolic KV length).
-    mark_all_static(q, k_cache, v_cache, *block_mask.as_tuple()[2:6])
+    # decode wants everything static (the CPU kernel indexes out of bounds with a symbolic KV
+    # length). The caches and page tables are marked static when they are made.
+    mark_all_static(q, *block_mask.as_tuple()[2:6])
     out = flex_attention_compiled(
         q, k_cache, v_cache, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k_cache.shape[1], kernel_options=json.loads(kernel_options)
     )
@@ -864,7 +867,7 @@ class FlexInference:
 
         Returns (next_ids [B], logits [B, V]).
         """
-        mark_all_static(input_pos_B, batch_idx_B, *(table.physical_to_logical for table in self.page_tables.values()))
+        mark_all_static(input_pos_B, batch_idx_B)
         block_masks, physical_slots = {}, {}
         for regime, logical_mask in self.logical_decode_masks.items():
             table = self.page_tables[regime]

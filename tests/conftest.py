@@ -60,3 +60,10 @@ def hf_argmax_rollout(model, prompts, max_new_tokens, end_ids):
 def random_prompts(lengths, vocab_size, seed=0, low=3):
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(low, vocab_size, (n,), generator=generator).tolist() for n in lengths]
+
+
+def compiled_variants(function) -> int:
+    """How many torch.compile'd variants (dynamo cache entries) the function's code has."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    return len(_debug_get_cache_entry_list(function.__code__))

@@ -241,3 +241,22 @@ def test_fused_projections_give_the_same_tokens_as_hf(case):
     engine = make_engine(load_hf(case["path"]), fuse_projections=True)
     sequences = engine.generate([Sequence(input_ids=ids) for ids in case["prompts"]])
     assert [s.output_ids for s in sequences] == case["want"]
+
+
+def test_compiled_fused_decode_step_through_every_bucket_matches_hf(tiny_dir):
+    """The fastest decode mode (compiled step with a symbolic batch, fused projections): one
+    compile, the batch shrinking through buckets 8, 4 and 2, tokens equal to HF past the window."""
+    from conftest import compiled_variants
+    from qwen3_flex_inference import FlexInference
+
+    path = tiny_dir / "gemma4_text"
+    hf = load_hf(path)
+    engine = make_engine(load_hf(path), max_batch_size=8, compile_decode=True, fuse_projections=True)
+    engine.end_ids = set()
+    prompts = random_prompts([5, 30, 17, 40, 9, 60, 3], hf.config.vocab_size, seed=3)
+    new_tokens = [3, 30, 7, 20, 5, 9, 16]
+    compiled_before = compiled_variants(FlexInference._decode_step)
+    sequences = engine.generate([Sequence(input_ids=ids, max_new_tokens=n) for ids, n in zip(prompts, new_tokens)])
+    assert compiled_variants(FlexInference._decode_step) - compiled_before == 1, "the decode step was compiled per bucket"
+    for seq, ids, n in zip(sequences, prompts, new_tokens):
+        assert seq.output_ids == hf_argmax_rollout(hf, [ids], n, set())[0]

@@ -122,13 +122,22 @@ def test_text_sequences_are_tokenized_when_a_tokenizer_is_given(case, tiny_dir):
     assert seq.output_ids == hf_greedy(case["hf"], [ids], 5, engine.end_ids)[0]
 
 
-def test_compiled_decode_step_gives_the_same_tokens_as_hf(tiny_dir):
+def test_compiled_decode_step_is_compiled_once_for_all_buckets_and_matches_hf(tiny_dir):
+    """Sequences of different lengths shrink the batch through buckets 8, 4 and 2."""
+    from conftest import compiled_variants
+
     path = tiny_dir / "qwen3"
     hf = load_hf(path)
-    engine = make_engine(path, max_batch_size=2, compile_decode=True)
-    prompts = random_prompts([5, 40, 70], hf.config.vocab_size, seed=11)
-    got = generate(engine, prompts)
-    assert got == hf_greedy(hf, prompts, MAX_NEW_TOKENS, engine.end_ids)
+    engine = make_engine(path, max_batch_size=8, compile_decode=True)
+    engine.end_ids = set()
+    prompts = random_prompts([5, 40, 70, 12, 33, 9, 21], hf.config.vocab_size, seed=11)
+    new_tokens = [3, 24, 7, 16, 2, 11, 20]
+    compiled_before = compiled_variants(FlexInference._decode_step)
+    sequences = engine.generate([Sequence(input_ids=ids, max_new_tokens=n) for ids, n in zip(prompts, new_tokens)])
+    assert engine.buckets == [2, 4, 8]
+    assert compiled_variants(FlexInference._decode_step) - compiled_before == 1, "the decode step was compiled per bucket"
+    for seq, ids, n in zip(sequences, prompts, new_tokens):
+        assert seq.output_ids == hf_greedy(hf, [ids], n, set())[0]
 
 
 def test_fused_projections_give_the_same_tokens_as_hf(case):

@@ -195,6 +195,7 @@ def run_hf_cb(model, prompts, new_tokens):
     if not hasattr(model, "generate_batch"):
         return {"error": "this transformers has no generate_batch"}
     config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0, use_cuda_graph=False)
+    attn_implementation = model.config._attn_implementation
     try:
         start = time.perf_counter()
         model.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
@@ -206,6 +207,9 @@ def run_hf_cb(model, prompts, new_tokens):
         wall_s = time.perf_counter() - start
     except Exception as error:  # e.g. Gemma-4: AmbiguousGlobalPerLayerAttributeError
         return {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"}
+    finally:  # generate_batch switches to "paged|..." attention and leaves it so when it fails
+        if model.config._attn_implementation != attn_implementation:
+            model.set_attn_implementation(attn_implementation)
     tokens = sum(len(o.generated_tokens) for o in outputs.values())
     return {"decode_tps": tokens / wall_s, "ms_per_step": float("nan"), "prefill_tps": float("nan"), "ttft_s": float("nan"), "warmup_s": warmup_s - wall_s, "wall_s": wall_s, "tokens": tokens}
 
