@@ -1,21 +1,28 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks in one call; everything lands under $OUT (default: ./out).
-#   scripts/gpu_check.sh [kernels] [tests] [bench] [e2b] [profile] [rollouts] [rollouts_hf]
-#   (no argument: all but rollouts_hf; each phase must fit the 10-minute limit of one device call)
+#   scripts/gpu_check.sh [kernels] [tests] [bench] [e2b] [profile] [rollouts...]
+#   (no argument: kernels tests bench e2b profile; each phase must fit the 10-minute limit of one
+#   device call, so call it with one or two phases at a time)
 # kernels: which flex_attention kernel options work at head_dim 256/512 (prefill and decode)
 # tests:   tests/test_gpu.py (float32 tokens = HF eager and with CUDA graphs; bf16 eager = graph)
 # bench:   the CLIs on tiny checkpoints (CUDA graphs, LoRA + drift check, 4-bit) and a dummy Qwen3-4B
 # e2b:     the Gemma CLI on the E2B architecture (--load_format dummy, bf16), batch 64 and 1
 # profile: per-kernel GPU time of E2B decode steps and CUDA-graph replay time, batch 1 and 64
-# rollouts:    the side-by-side benchmark, this engine's systems (E2B batch 1/8/64 + a Qwen3-4B row)
-# rollouts_hf: the same workload through HF generate (dynamic, static + compile, generate_batch)
+# The side-by-side benchmark (scripts/benchmarks/bench_rollouts.py, E2B batch 1/8/64, 512 new
+# tokens), split so that each phase fits one 10-minute device call (times estimated from the per-system
+# times measured on an H200):
+# rollouts:            this engine, CUDA graphs and compiled + fused step, with kernel profiles (~6 min)
+# rollouts_ablation:   this engine, eager decode and the compiled step without fused projections (~7 min)
+# rollouts_qwen3:      the Qwen3-4B-shaped row, batch 64 (~4 min)
+# rollouts_hf:         HF generate with the dynamic cache, and generate_batch (~5 min)
+# rollouts_hf_compile: HF generate with a static cache and torch.compile (~7 min)
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
 mkdir -p "$OUT/stats"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
-phases=${*:-kernels tests bench e2b profile rollouts}
+phases=${*:-kernels tests bench e2b profile}
 if ls .whl/bitsandbytes-*.whl >/dev/null 2>&1 && ! $PY -c "import bitsandbytes" 2>/dev/null; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
@@ -63,12 +70,19 @@ run() {  # run NAME CMD...: logs the command, its status and its time
       profile)
         run profile_decode $PY scripts/benchmarks/profile_decode.py --batch_sizes 1 64 --out "$OUT/profile_decode.json" ;;
       rollouts)
-        run rollouts_engine $PY scripts/benchmarks/bench_rollouts.py --systems engine_eager engine_graph engine_compiled_graph engine_fused_compiled_graph \
-          --out "$OUT/rollouts_engine.json"
+        run rollouts $PY scripts/benchmarks/bench_rollouts.py --batch_sizes 64 8 1 --systems engine_fused_compiled_graph engine_graph \
+          --profile --out "$OUT/rollouts.json" ;;
+      rollouts_ablation)
+        run rollouts_ablation $PY scripts/benchmarks/bench_rollouts.py --batch_sizes 64 8 1 --systems engine_compiled_graph engine_eager \
+          --out "$OUT/rollouts_ablation.json" ;;
+      rollouts_qwen3)
         run rollouts_qwen3 $PY scripts/benchmarks/bench_rollouts.py --preset unsloth__Qwen3-4B-Base --batch_sizes 64 \
-          --systems engine_graph engine_fused_compiled_graph --out "$OUT/rollouts_qwen3.json" ;;
+          --systems engine_fused_compiled_graph engine_graph --out "$OUT/rollouts_qwen3.json" ;;
       rollouts_hf)
-        run rollouts_hf $PY scripts/benchmarks/bench_rollouts.py --systems hf_dynamic hf_static_compile hf_cb --out "$OUT/rollouts_hf.json" ;;
+        run rollouts_hf $PY scripts/benchmarks/bench_rollouts.py --batch_sizes 64 8 1 --systems hf_cb hf_dynamic --out "$OUT/rollouts_hf.json" ;;
+      rollouts_hf_compile)
+        run rollouts_hf_compile $PY scripts/benchmarks/bench_rollouts.py --batch_sizes 64 8 1 --systems hf_static_compile \
+          --out "$OUT/rollouts_hf_compile.json" ;;
     esac
   done
   # One file for all CLI stats (the device tool brings back at most 8 files).
