@@ -1009,6 +1009,15 @@ class FlexInference:
         self._prepare(sequences)
         if capture_cudagraph:
             self.capture_cuda_graphs()
+        try:
+            return self._generate(sequences, capture_cudagraph, progress)
+        finally:  # an error (or an interrupt) mid-way leaves no slot or page held
+            for seq in sequences:
+                if seq.batch_idx >= 0:
+                    self._release(seq)
+
+    def _generate(self, sequences: list[Sequence], capture_cudagraph: bool, progress: bool) -> list[Sequence]:
+        """The scheduler loop: admit and prefill, one decode step for all running, retire."""
         waiting: deque[Sequence] = deque(sequences)
         running: list[Sequence] = []  # in admission order: the last one is preempted first
         bar = _progress_bar(sum(s.max_new_tokens for s in sequences), progress)

@@ -145,3 +145,23 @@ def test_fused_projections_give_the_same_tokens_as_hf(case):
     attn = engine.decoder.layers[0].self_attn
     assert attn.q_proj.weight.data_ptr() == attn.fused_qkv_weight.data_ptr(), "q_proj is not a view of the fused weight"
     assert generate(engine, case["prompts"]) == case["want"]
+
+
+def test_an_error_mid_generate_leaves_no_slot_or_page_held(case):
+    engine = make_engine(case["path"])
+    run_decode = engine._run_decode
+    calls = []
+
+    def failing_run_decode(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return run_decode(*args)
+
+    engine._run_decode = failing_run_decode
+    with pytest.raises(KeyboardInterrupt):
+        generate(engine, case["prompts"])
+    table = engine.page_table
+    assert table.num_used_pages == 0 and len(table.free_batch_idx) == table.max_batch_size - 1
+    engine._run_decode = run_decode
+    assert generate(engine, case["prompts"]) == case["want"]
