@@ -2,7 +2,8 @@
 
 One token's path through this file, top to bottom:
 page table and KV cache -> block masks -> flex attention -> patched attention -> layer walker ->
-engine (scheduler, packed prefill, decode, CUDA graphs) -> LoRA double-copy and drift check -> CLI.
+engine (scheduler, packed prefill, decode, CUDA graphs) -> LoRA double-copy and drift check ->
+data parallel (one engine per torchrun rank) -> CLI.
 
 Ideas taken from: PagedAttention (vLLM) for the paged KV cache; nano-vllm and flex-nano-vllm for
 the scheduler, the page table and turning a logical block mask into a physical one; attention-gym's
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import torch
 import torch._dynamo
+import torch.distributed as dist
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
@@ -1250,6 +1252,99 @@ def run_drift_verification(targets: dict, pristine: dict, peft_model: nn.Module,
 
 
 # ---------------------------------------------------------------------------------------------
+# Data parallel: one engine per rank (torchrun)
+# ---------------------------------------------------------------------------------------------
+
+# What generate() fills in, sent from the rank that generated a sequence to every rank (input_ids
+# and max_new_tokens are set on every rank already: generate_shard prepares every sequence).
+GATHERED_FIELDS = ("output_ids", "finished", "finish_reason", "num_preemptions")
+
+
+def is_torchrun() -> bool:
+    """True when torchrun (or a launcher that sets the same variables) started this process."""
+    return all(name in os.environ for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"))
+
+
+def init_data_parallel(device: torch.device) -> torch.device:
+    """Under torchrun: joins its process group (nccl on CUDA, gloo on the CPU) and returns this
+    rank's device, on CUDA cuda:LOCAL_RANK made the current device; a process group that is already
+    initialised is used as it is. Otherwise returns `device` as it is.
+    """
+    if not is_torchrun():
+        return device
+    # NOTE: NVLink multicast (NCCL's NVLS, symmetric-memory multicast) stays off: on a shared host
+    # it can take the GPUs out of service, and gathering completions gains nothing from it. NCCL
+    # reads these when the process group starts, so they are set before.
+    for name, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
+        os.environ.setdefault(name, value)
+    if device.type == "cuda":
+        num_local_ranks, num_gpus = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()
+        if num_local_ranks > num_gpus:
+            raise SystemExit(f"torchrun started {num_local_ranks} processes on a host with {num_gpus} GPUs: pass --nproc_per_node {num_gpus} or fewer")
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)  # object collectives over nccl run on the current device
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
+    return device
+
+
+def is_data_parallel() -> bool:
+    """True once a process group is initialised (by init_data_parallel or by the caller)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def shard_slice(num_items: int, rank: int, world_size: int) -> slice:
+    """Rank's contiguous block of num_items; the first num_items % world_size ranks hold one more.
+    With more ranks than items the last ranks get an empty block."""
+    base, extra = divmod(num_items, world_size)
+    start = rank * base + min(rank, extra)
+    return slice(start, start + base + (rank < extra))
+
+
+def generate_shard(engine: FlexInference, sequences: list[Sequence], group=None, **generate_kwargs) -> list[Sequence]:
+    """Generates this rank's shard_slice of `sequences` and returns that block (every sequence
+    without a process group). Every rank of `group` (None: the default group) passes the same list;
+    each checks and tokenizes all of it, then generates its own block."""
+    if not is_data_parallel():
+        return engine.generate(sequences, **generate_kwargs)
+    # NOTE: every rank checks every sequence, so bad input fails on all ranks alike instead of on
+    # one, which would leave the others waiting in the gather until the process group times out.
+    engine._prepare(sequences)
+    shard = sequences[shard_slice(len(sequences), dist.get_rank(group), dist.get_world_size(group))]
+    return engine.generate(shard, **generate_kwargs)
+
+
+def gather_outputs(sequences: list[Sequence], group=None) -> list[Sequence]:
+    """After generate_shard on every rank: copies each rank's results into `sequences` on every rank
+    (all_gather_object), so every rank holds all of them, in input order. `output_logits` are not
+    sent: they stay on the rank that generated them. Without a process group: nothing to do."""
+    if not is_data_parallel():
+        return sequences
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    shard = sequences[shard_slice(len(sequences), rank, world_size)]
+    local = (len(sequences), [[getattr(seq, name) for name in GATHERED_FIELDS] for seq in shard])
+    gathered = [None] * world_size  # gathered[rank] = (number of sequences, that rank's results)
+    dist.all_gather_object(gathered, local, group=group)
+    num_sequences = [num for num, _ in gathered]
+    if len(set(num_sequences)) != 1:
+        raise ValueError(f"the ranks passed {num_sequences} sequences: every rank must pass the same list")
+    results = [values for _, block in gathered for values in block]  # blocks in rank order = input order
+    for seq, values in zip(sequences, results):
+        for name, value in zip(GATHERED_FIELDS, values):
+            setattr(seq, name, value)
+    return sequences
+
+
+def generate_sharded(engine: FlexInference, sequences: list[Sequence], group=None, **generate_kwargs) -> list[Sequence]:
+    """Data-parallel `engine.generate`: every rank of `group` (None: the default group) passes the
+    same `sequences` and its own engine, generates a contiguous block of them, and gets all of them
+    back filled in, in input order. `generate_kwargs` go to `engine.generate`. Without a process
+    group this is `engine.generate(sequences)`."""
+    generate_shard(engine, sequences, group, **generate_kwargs)
+    return gather_outputs(sequences, group)
+
+
+# ---------------------------------------------------------------------------------------------
 # CLI
 # ---------------------------------------------------------------------------------------------
 
@@ -1466,7 +1561,11 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 def run_cli(args, engine_class=None, load_model=None, default_chat_template: str = "grpo", load_adapter=None) -> dict:
-    """Loads the model, builds the engine, generates --n_rounds times, prints one summary line."""
+    """Loads the model, builds the engine, generates --n_rounds times, prints one summary line.
+
+    Under torchrun each rank runs one engine on its contiguous block of the prompts; rank 0 gathers
+    the completions in input order, prints and writes the stats (totals and one entry per rank).
+    """
     engine_class = engine_class or FlexInference
     load_model = load_model or load_causal_lm
     for flag in ("max_new_tokens", "n_rounds", "verify_iterations"):
@@ -1483,6 +1582,15 @@ def run_cli(args, engine_class=None, load_model=None, default_chat_template: str
     device, dtype = resolve_device_and_dtype(args)
     if args.capture_cudagraph and device.type != "cuda":
         raise SystemExit("--capture_cudagraph needs a CUDA device")
+    owns_process_group = is_torchrun() and not is_data_parallel()
+    device = init_data_parallel(device)
+    is_distributed = is_data_parallel()
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if is_distributed else (0, 1)
+    if rank != 0:  # only rank 0 prints
+        from transformers.utils import logging as transformers_logging
+
+        args.quiet = True
+        transformers_logging.disable_progress_bar()
 
     start = time.perf_counter()
     model = load_model(args, device, dtype)
@@ -1514,19 +1622,43 @@ def run_cli(args, engine_class=None, load_model=None, default_chat_template: str
         _say(args, f"drift verification: {'passed' if drift['passed'] else 'FAILED'} over {drift['iterations']} refreshes")
 
     chat_template = default_chat_template if args.chat_template == "auto" else args.chat_template
-    wall_times, n_decoded = [], 0
+    wall_times, rank_wall_times, n_decoded = [], [], 0
     sequences: list[Sequence] = []
+    shard: list[Sequence] = []  # this rank's block of sequences (all of them in a plain run)
     for _ in range(args.n_rounds):
         try:
             sequences = make_sequences(prompts, tokenizer, chat_template, engine.config.vocab_size, args.seed)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            engine.generate(sequences, capture_cudagraph=args.capture_cudagraph, progress=not args.quiet)
+            shard = generate_shard(engine, sequences, capture_cudagraph=args.capture_cudagraph, progress=not args.quiet)
         except ValueError as error:
             raise SystemExit(str(error))
+        rank_wall_times.append(time.perf_counter() - start)
+        gather_outputs(sequences)  # a round ends when the slowest rank's completions are in
         wall_times.append(time.perf_counter() - start)
         n_decoded = sum(len(seq.output_ids) for seq in sequences)
+
+    rank_n_decoded = sum(len(seq.output_ids) for seq in shard)
+    rank_stats = {
+        "rank": rank,
+        "device": str(device),
+        "n_prompts": len(shard),
+        "n_decoded_tokens": rank_n_decoded,
+        "wall_times_s": rank_wall_times,
+        "decode_tps_median": statistics.median([rank_n_decoded / t for t in rank_wall_times]),
+        # Last round, split by phase: prompt tokens per prefill second, tokens per decode-step second.
+        "prefill_tps": engine.timings["num_prefill_tokens"] / max(engine.timings["prefill_s"], 1e-9),
+        "decode_step_tps": engine.timings["num_decode_tokens"] / max(engine.timings["decode_s"], 1e-9),
+        "peak_memory_gb": peak_memory_gb(device),
+        "capture_s": engine.timings.get("capture_s"),
+    }
+    ranks = [rank_stats]  # ranks[rank] = that rank's stats
+    if is_distributed:
+        ranks = [None] * world_size
+        dist.all_gather_object(ranks, rank_stats)
+    if owns_process_group:
+        dist.destroy_process_group()
 
     decode_tps = [n_decoded / t for t in wall_times]
     stats = {
@@ -1545,13 +1677,13 @@ def run_cli(args, engine_class=None, load_model=None, default_chat_template: str
         "decode_tps_median": statistics.median(decode_tps),
         "decode_tps_best": max(decode_tps),
         "max_new_tokens": args.max_new_tokens,
-        "peak_memory_gb": peak_memory_gb(device),
+        "peak_memory_gb": max(r["peak_memory_gb"] for r in ranks),
         "kv_bytes_per_token": engine.kv_bytes_per_token,
         "load_s": load_s,
-        "capture_s": engine.timings.get("capture_s"),
-        # Last round, split by phase: prompt tokens per prefill second, tokens per decode-step second.
-        "prefill_tps": engine.timings["num_prefill_tokens"] / max(engine.timings["prefill_s"], 1e-9),
-        "decode_step_tps": engine.timings["num_decode_tokens"] / max(engine.timings["decode_s"], 1e-9),
+        "capture_s": rank_stats["capture_s"],
+        # Summed over the ranks (one rank in a plain run).
+        "prefill_tps": sum(r["prefill_tps"] for r in ranks),
+        "decode_step_tps": sum(r["decode_step_tps"] for r in ranks),
         "sample_completions": [
             tokenizer.decode(seq.output_ids, skip_special_tokens=True) if tokenizer is not None else seq.output_ids[:32]
             for seq in sequences[:3]
@@ -1559,13 +1691,17 @@ def run_cli(args, engine_class=None, load_model=None, default_chat_template: str
     }
     if drift is not None:
         stats["drift_verification"] = drift
-    if args.stats_path:
+    if is_distributed:
+        stats.update(world_size=world_size, ranks=ranks)
+    if args.stats_path and rank == 0:
         Path(args.stats_path).parent.mkdir(parents=True, exist_ok=True)
         Path(args.stats_path).write_text(json.dumps(stats, indent=2))
-    print(
-        f"{stats['backend']}: {stats['n_prompts']} prompts, {n_decoded} tokens, median {stats['median_wall_s']:.2f} s, "
-        f"{stats['decode_tps_median']:.0f} tok/s (best {stats['decode_tps_best']:.0f}), peak {stats['peak_memory_gb']:.2f} GB"
-    )
+    if rank == 0:
+        on_ranks = f" on {world_size} ranks" if is_distributed else ""
+        print(
+            f"{stats['backend']}: {stats['n_prompts']} prompts{on_ranks}, {n_decoded} tokens, median {stats['median_wall_s']:.2f} s, "
+            f"{stats['decode_tps_median']:.0f} tok/s (best {stats['decode_tps_best']:.0f}), peak {stats['peak_memory_gb']:.2f} GB"
+        )
     if drift is not None and not drift["passed"]:
         raise SystemExit("drift verification failed: the pristine or restored weights changed")
     return stats

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks in one call; everything lands under $OUT (default: ./out).
-#   scripts/gpu_check.sh [kernels] [tests] [bench] [e2b] [profile] [rollouts...]
+#   scripts/gpu_check.sh [kernels] [tests] [bench] [e2b] [profile] [rollouts...] [multi_gpu]
 #   (no argument: kernels tests bench e2b profile; each phase must fit the 10-minute limit of one
 #   device call, so call it with one or two phases at a time)
 # kernels: which flex_attention kernel options work at head_dim 256/512 (prefill and decode)
@@ -16,11 +16,15 @@
 # rollouts_qwen3:      the Qwen3-4B-shaped row, batch 64 (~4 min)
 # rollouts_hf:         HF generate with the dynamic cache, and generate_batch (~5 min)
 # rollouts_hf_compile: HF generate with a static cache and torch.compile (~7 min)
+# multi_gpu: data-parallel scaling, the e2b batch-64 graph run (64 prompts per GPU) through torchrun
+#            on 1 GPU and on every GPU of the host: total tok/s on N GPUs vs 1
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
 mkdir -p "$OUT/stats"
 export PYTHONUNBUFFERED=1
+# NVLink multicast stays off (the engine sets these too, unless set): it can take a shared host's GPUs out of service.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 PY=${PYTHON:-python3}
 phases=${*:-kernels tests bench e2b profile}
 if ls .whl/bitsandbytes-*.whl >/dev/null 2>&1 && ! $PY -c "import bitsandbytes" 2>/dev/null; then
@@ -83,6 +87,13 @@ run() {  # run NAME CMD...: logs the command, its status and its time
       rollouts_hf_compile)
         run rollouts_hf_compile $PY scripts/benchmarks/bench_rollouts.py --batch_sizes 64 8 1 --systems hf_static_compile \
           --out "$OUT/rollouts_hf_compile.json" ;;
+      multi_gpu)
+        num_gpus=$(nvidia-smi -L | wc -l)
+        for n in $(printf '%s\n' 1 "$num_gpus" | sort -un); do
+          run gemma4_e2b_b64_graph_${n}gpu $PY -m torch.distributed.run --standalone --nproc_per_node "$n" gemma4_flex_inference.py \
+            --load_format dummy $common --capture_cudagraph --n_prompts $((64 * n)) --max_batch_size 64 --max_seq_length 1024 --n_pages 1024 \
+            --max_new_tokens 128 --stats_path "$OUT/stats/gemma4_e2b_b64_graph_${n}gpu.json"
+        done ;;
     esac
   done
   # One file for all CLI stats (the device tool brings back at most 8 files).
@@ -94,6 +105,10 @@ if stats:
     (out / "cli_stats.json").write_text(json.dumps(stats, indent=1))
 for name, s in stats.items():
     print(f"{name:28} {s['decode_tps_median']:10.0f} tok/s  decode steps {s['decode_step_tps']:8.0f} tok/s  prefill {s['prefill_tps']:8.0f} tok/s  median {s['median_wall_s']:7.2f} s  peak {s['peak_memory_gb']:6.2f} GB  capture {s.get('capture_s') or 0:5.1f} s  tokens {s['n_decoded_tokens']}")
+# multi_gpu: total tok/s on N GPUs against 1 GPU.
+tps_by_num_gpus = {s["world_size"]: s["decode_tps_median"] for name, s in stats.items() if name.startswith("gemma4_e2b_b64_graph_") and name.endswith("gpu")}
+for n in sorted(tps_by_num_gpus)[1:]:
+    print(f"data-parallel scaling, E2B batch 64 per GPU: {n} GPUs {tps_by_num_gpus[n]:.0f} tok/s = {tps_by_num_gpus[n] / tps_by_num_gpus[1]:.2f}x 1 GPU ({tps_by_num_gpus[1]:.0f} tok/s)")
 PYEOF
   rm -rf "$OUT/stats"
 } 2>&1 | tee "$OUT/gpu_check.log"

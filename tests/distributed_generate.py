@@ -1,0 +1,59 @@
+"""Run by tests/test_distributed.py under torchrun: `generate_sharded` on a gloo process group that
+this script initialises itself, as a trainer's ranks would, before the engine is built.
+
+    python -m torch.distributed.run --nproc_per_node 2 tests/distributed_generate.py SPEC_JSON
+
+SPEC_JSON holds `model_dir`, `engine` (FlexInference keyword arguments), `cases` (case name -> list
+of prompts as token ids) and `out_dir`. Each rank writes out_dir/rank{rank}.json, case name ->
+{"gathered": [output_ids, finish_reason] of every sequence it holds after generate_sharded, in
+input order; "single_process": the same from plain `engine.generate` of all the prompts} or
+{"error": the message of the ValueError that generate_sharded raised}.
+"""
+
+import json
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from qwen3_flex_inference import FlexInference, Sequence, generate_sharded  # noqa: E402
+
+# A rank left waiting in a collective fails after this instead of hanging the test.
+COLLECTIVE_TIMEOUT = timedelta(seconds=60)
+
+
+def main(spec_path: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    spec = json.loads(Path(spec_path).read_text())
+    dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
+    # An explicit group, as a trainer may pass one; here it spans every rank.
+    group = dist.new_group(list(range(dist.get_world_size())), timeout=COLLECTIVE_TIMEOUT)
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32, attn_implementation="eager").eval()
+    engine = FlexInference(model, None, **spec["engine"])
+    results = {}
+    for case, prompts in spec["cases"].items():
+        sequences = [Sequence(input_ids=ids) for ids in prompts]
+        try:
+            returned = generate_sharded(engine, sequences, group=group)
+        except ValueError as error:
+            results[case] = {"error": str(error)}
+            continue
+        assert returned is sequences, "generate_sharded did not return the list it was given"
+        # The reference: every prompt generated here alone, with no process group involved.
+        single_process = engine.generate([Sequence(input_ids=ids) for ids in prompts])
+        results[case] = {
+            "gathered": [[seq.output_ids, seq.finish_reason] for seq in sequences],
+            "single_process": [[seq.output_ids, seq.finish_reason] for seq in single_process],
+        }
+    Path(spec["out_dir"], f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
