@@ -692,6 +692,9 @@ class FlexInference:
         self.decode_step = torch.compile(self._decode_step, fullgraph=True) if compile_decode else self._decode_step
         self.buckets = batch_buckets(max_batch_size, smallest=2 if compile_decode else 1)
         self.cuda_graphs: dict[int, tuple] = {}
+        # holds_until[batch_idx]: the first query position at which that slot's pages no longer fit
+        # (a new page is needed, or a windowed page can be recycled)
+        self.holds_until = [0] * (max_batch_size + 1)
         self.graph_pool = None
         self.timings: dict[str, float] = {}
 
@@ -890,7 +893,7 @@ class FlexInference:
         bucket = next(b for b in self.buckets if b >= B)
         # Rows: last token, its position, batch slot; padding rows aim at the reserved slot 0.
         step_inputs = torch.zeros(3, bucket, dtype=torch.long)
-        step_inputs[0, :B] = torch.tensor([seq.token_ids[-1] for seq in running])
+        step_inputs[0, :B] = torch.tensor([seq.output_ids[-1] for seq in running])  # a running sequence has output
         step_inputs[1, :B] = torch.tensor([seq.seq_len - 1 for seq in running])
         step_inputs[2, :B] = torch.tensor([seq.batch_idx for seq in running])
         self._flush_page_tables()
@@ -960,10 +963,16 @@ class FlexInference:
     def _hold(self, seq: Sequence, query_pos: int) -> None:
         """Pages for `seq`'s tokens in every pool; windowed pools first recycle what the query at
         `query_pos` no longer sees."""
+        holds_until = self.max_seq_length
         for regime, table in self.page_tables.items():
             first_needed_pos = self._first_needed_pos(regime, query_pos)
             table.trim(seq.batch_idx, first_needed_pos)
             table.reserve(seq.batch_idx, seq.seq_len, first_needed_pos)
+            holds_until = min(holds_until, len(table.pages_of[seq.batch_idx]) * self.page_size)
+            window = self.attention_regimes[regime]
+            if window is not None:  # the next page to fall out of the window
+                holds_until = min(holds_until, (first_needed_pos // self.page_size + 1) * self.page_size + window - 1)
+        self.holds_until[seq.batch_idx] = holds_until
 
     def _admit(self, seq: Sequence) -> None:
         seq.batch_idx = self.page_table.allocate()
@@ -1083,7 +1092,11 @@ class FlexInference:
         i = 0
         while i < len(running):
             seq = running[i]
-            # The next step writes the K/V of the last token, at position seq_len - 1.
+            # The next step writes the K/V of the last token, at position seq_len - 1; most steps
+            # cross no page boundary, so the pages held already fit.
+            if seq.seq_len - 1 < self.holds_until[seq.batch_idx]:
+                i += 1
+                continue
             if self._can_hold(seq, seq.seq_len - 1):
                 self._hold(seq, seq.seq_len - 1)
                 i += 1
