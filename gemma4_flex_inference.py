@@ -41,6 +41,7 @@ from qwen3_flex_inference import (
     flex_attention_compiled,
     gathered_rows_mask_mod,
     load_causal_lm,
+    load_peft_adapter,
     project,
     qkv_projections,
     refresh_lora_merge_from_pristine,
@@ -276,15 +277,13 @@ def load_gemma4_adapter(causal_lm: nn.Module, adapter_path: str):
     """
     from pathlib import Path
 
-    from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
     from safetensors.torch import load_file
 
     weights_path = Path(adapter_path) / "adapter_model.safetensors"
-    if not weights_path.exists():
-        return PeftModel.from_pretrained(causal_lm, adapter_path, is_trainable=False)
-    weights = load_file(weights_path)
+    weights = load_file(weights_path) if weights_path.exists() else {}
     if not any(".language_model." in key for key in weights):
-        return PeftModel.from_pretrained(causal_lm, adapter_path, is_trainable=False)
+        return load_peft_adapter(causal_lm, adapter_path)
     renamed = {key.replace(".model.language_model.", ".model."): w for key, w in weights.items() if ".language_model." in key}
     if len(renamed) != len(weights):
         raise ValueError("the adapter also adapts the vision or audio towers, which the text engine drops")

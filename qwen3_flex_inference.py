@@ -203,9 +203,9 @@ class PageTable:
             slots.append(0 if page is None else page * self.page_size + pos % self.page_size)
         return slots
 
-    def decode_mask(self, logical_rows: BlockMask, input_pos_B: torch.Tensor, batch_idx_B: torch.Tensor, sliding_window) -> PagedDecodeMask:
-        """Maps each decode row's logical blocks ([B, 1, 1, max_logical_blocks]) to physical pages
-        ([B, 1, 1, n_pages], only the first kv_num_blocks of each row are read)."""
+    def decode_mask(self, logical_rows: tuple, input_pos_B: torch.Tensor, batch_idx_B: torch.Tensor, sliding_window) -> PagedDecodeMask:
+        """Maps each decode row's logical blocks (`logical_block_rows`: [B, 1, 1, max_logical_blocks])
+        to physical pages ([B, 1, 1, n_pages], only the first kv_num_blocks of each row are read)."""
         page_table_B = self.page_table[batch_idx_B].long()  # [B, max_logical_blocks]
 
         def to_physical(logical_indices):
@@ -215,16 +215,16 @@ class PageTable:
             physical_BP = nn.functional.pad(physical_BL, (0, self.n_pages - physical_BL.shape[1]))
             return physical_BP.view(B, 1, 1, self.n_pages)
 
+        (kv_num_blocks, kv_indices), (full_kv_num_blocks, full_kv_indices) = logical_rows
         return PagedDecodeMask(
-            logical_rows.kv_num_blocks,
-            to_physical(logical_rows.kv_indices),
-            logical_rows.full_kv_num_blocks,
-            to_physical(logical_rows.full_kv_indices),
+            kv_num_blocks,
+            to_physical(kv_indices),
+            full_kv_num_blocks,
+            to_physical(full_kv_indices),
             input_pos_B,
             batch_idx_B,
             self.physical_to_logical,
             self.page_size,
-            logical_rows.BLOCK_SIZE[0],
             sliding_window or 0,
         )
 
@@ -298,30 +298,16 @@ def offset_mask_mod(mask_mod, input_pos_B: torch.Tensor):
     return offset
 
 
-def slice_logical_block_mask(logical_mask: BlockMask, input_pos_B: torch.Tensor) -> BlockMask:
-    """Takes, for each decode row, the logical mask's row of blocks holding position input_pos_B[b]."""
+def logical_block_rows(logical_mask: BlockMask, input_pos_B: torch.Tensor) -> tuple:
+    """For each decode row, the logical mask's row of blocks holding position input_pos_B[b]:
+    ((kv_num_blocks [B, 1, 1], kv_indices [B, 1, 1, max_logical_blocks]), the same for full blocks)."""
     q_block_B = (input_pos_B // logical_mask.BLOCK_SIZE[0]).long()
     B = q_block_B.shape[0]
 
     def rows(num_blocks, indices):
         return num_blocks[0, 0, q_block_B].view(B, 1, 1), indices[0, 0, q_block_B].view(B, 1, 1, -1)
 
-    return decode_block_mask(
-        rows(logical_mask.kv_num_blocks, logical_mask.kv_indices),
-        rows(logical_mask.full_kv_num_blocks, logical_mask.full_kv_indices),
-        logical_mask.BLOCK_SIZE,
-        logical_mask.mask_mod,
-        logical_mask.seq_lengths[1],
-    )
-
-
-def decode_block_mask(kv_blocks, full_kv_blocks, block_size, mask_mod, kv_length: int) -> BlockMask:
-    """A BlockMask with one query row per sequence from (num_blocks [B, 1, 1], indices [B, 1, 1, N])
-    pairs. seq_lengths must equal the real q/kv lengths (torch >= 2.9 checks); no q blocks are
-    needed without a backward pass."""
-    return BlockMask.from_kv_blocks(
-        *kv_blocks, *full_kv_blocks, BLOCK_SIZE=block_size, mask_mod=mask_mod, seq_lengths=(1, kv_length), compute_q_blocks=False
-    )
+    return rows(logical_mask.kv_num_blocks, logical_mask.kv_indices), rows(logical_mask.full_kv_num_blocks, logical_mask.full_kv_indices)
 
 
 def physical_mask_mod(logical_mask_mod, physical_to_logical: torch.Tensor, batch_idx_B: torch.Tensor, page_size: int):
@@ -350,17 +336,21 @@ class PagedDecodeMask:
     batch_idx_B: torch.Tensor  # each row's batch slot
     physical_to_logical: torch.Tensor  # [slots, n_pages] -> logical block, -1 if not owned
     page_size: int
-    q_block_size: int
     sliding_window: int  # 0: full causal
 
     def block_mask(self) -> BlockMask:
+        """One query row per sequence over the whole pool. seq_lengths must equal the real q/kv
+        lengths (torch >= 2.9 checks); no q blocks are needed without a backward pass."""
         logical_mask_mod = offset_mask_mod(causal_mask_mod(self.sliding_window or None), self.input_pos_B)
-        return decode_block_mask(
-            (self.kv_num_blocks, self.kv_indices),
-            (self.full_kv_num_blocks, self.full_kv_indices),
-            (self.q_block_size, self.page_size),
-            physical_mask_mod(logical_mask_mod, self.physical_to_logical, self.batch_idx_B, self.page_size),
-            self.physical_to_logical.shape[1] * self.page_size,
+        return BlockMask.from_kv_blocks(
+            self.kv_num_blocks,
+            self.kv_indices,
+            self.full_kv_num_blocks,
+            self.full_kv_indices,
+            BLOCK_SIZE=self.page_size,
+            mask_mod=physical_mask_mod(logical_mask_mod, self.physical_to_logical, self.batch_idx_B, self.page_size),
+            seq_lengths=(1, self.physical_to_logical.shape[1] * self.page_size),
+            compute_q_blocks=False,
         )
 
 
@@ -411,7 +401,6 @@ def paged_decode_attention(
     batch_idx_B: torch.Tensor,
     physical_to_logical: torch.Tensor,
     page_size: int,
-    q_block_size: int,
     sliding_window: int,
     scale: float,
     kernel_options: str,
@@ -424,7 +413,7 @@ def paged_decode_attention(
     """
     block_mask = PagedDecodeMask(
         kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, input_pos_B, batch_idx_B, physical_to_logical,
-        page_size, q_block_size, sliding_window,
+        page_size, sliding_window,
     ).block_mask()
     # NOTE: automatic dynamic shapes would make a dimension symbolic once a second value is seen;
     # decode wants everything static (the CPU kernel indexes out of bounds with a symbolic KV
@@ -489,8 +478,8 @@ class FlexStep:
             mask = self.block_masks[regime]
             return paged_decode_attention(
                 q, cache.k_cache, cache.v_cache, mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices,
-                mask.input_pos_B, mask.batch_idx_B, mask.physical_to_logical, mask.page_size, mask.q_block_size,
-                mask.sliding_window, float(module.scaling), kernel_options,
+                mask.input_pos_B, mask.batch_idx_B, mask.physical_to_logical, mask.page_size, mask.sliding_window,
+                float(module.scaling), kernel_options,
             )
         k, v = self.packed_kv[cache_layer_idx]
         # NOTE: automatic dynamic shapes would make a dimension symbolic once a second value is
@@ -747,13 +736,14 @@ class FlexInference:
         """q/k/v and gate/up each become one GEMM (fewer, larger GEMMs read weights faster)."""
         for layer in self.decoder.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            linears = qkv_projections(attn) + [mlp.gate_proj, mlp.up_proj]
+            qkv = qkv_projections(attn)
+            linears = qkv + [mlp.gate_proj, mlp.up_proj]
             if any(hasattr(linear, "lora_A") for linear in linears) and not is_lora_merged:
                 raise ValueError("fuse_projections needs merged LoRA weights: drop --no_merge_lora or the fusion")
             if any(getattr(linear, "base_layer", linear).bias is not None for linear in linears):
                 raise ValueError("fuse_projections supports bias-free projections only")
-            if len(qkv_projections(attn)) > 1:
-                fuse_linears(attn, qkv_projections(attn), "fused_qkv_weight")
+            if len(qkv) > 1:
+                fuse_linears(attn, qkv, "fused_qkv_weight")
             fuse_linears(mlp, [mlp.gate_proj, mlp.up_proj], "fused_gate_up_weight")
             mlp.forward = fused_mlp_forward.__get__(mlp)
 
@@ -877,7 +867,7 @@ class FlexInference:
         block_masks, physical_slots = {}, {}
         for regime, logical_mask in self.logical_decode_masks.items():
             table = self.page_tables[regime]
-            logical_rows = slice_logical_block_mask(logical_mask, input_pos_B)
+            logical_rows = logical_block_rows(logical_mask, input_pos_B)
             block_masks[regime] = table.decode_mask(logical_rows, input_pos_B, batch_idx_B, self.attention_regimes[regime])
             # page_table[batch_idx, logical_block] -> physical_page; cache row = page * page_size + offset
             page_B = table.page_table[batch_idx_B, input_pos_B // self.page_size].long()
@@ -892,10 +882,12 @@ class FlexInference:
         # Eager decode pads to the same buckets as the graphs: one compiled kernel per bucket.
         bucket = next(b for b in self.buckets if b >= B)
         # Rows: last token, its position, batch slot; padding rows aim at the reserved slot 0.
-        step_inputs = torch.zeros(3, bucket, dtype=torch.long)
-        step_inputs[0, :B] = torch.tensor([seq.output_ids[-1] for seq in running])  # a running sequence has output
-        step_inputs[1, :B] = torch.tensor([seq.seq_len - 1 for seq in running])
-        step_inputs[2, :B] = torch.tensor([seq.batch_idx for seq in running])
+        padding = [0] * (bucket - B)
+        step_inputs = torch.tensor([
+            [seq.output_ids[-1] for seq in running] + padding,  # a running sequence has output
+            [seq.seq_len - 1 for seq in running] + padding,
+            [seq.batch_idx for seq in running] + padding,
+        ])  # fmt: skip
         self._flush_page_tables()
         self.static_step_inputs[:, :bucket].copy_(step_inputs, non_blocking=True)
         if use_graph:
