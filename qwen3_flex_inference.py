@@ -582,6 +582,22 @@ class Sequence:
         return len(self.input_ids) + len(self.output_ids)
 
 
+@dataclass
+class DecodeLaunch:
+    """A decode step queued on the device; `read()` waits for its sampled tokens."""
+
+    rows: list[Sequence]
+    next_ids: torch.Tensor  # [bucket] on the device
+    host_ids: torch.Tensor  # [max_batch_size] host buffer (pinned on CUDA) the tokens are copied into
+    is_done: torch.cuda.Event | None  # None on the CPU, where every copy is synchronous
+    logits_BV: torch.Tensor | None  # kept only when a row records its logits
+
+    def read(self) -> list[int]:
+        if self.is_done is not None:
+            self.is_done.synchronize()  # the one device->host sync per decode step
+        return self.host_ids[: len(self.rows)].tolist()
+
+
 def sequences_last_positions(sequences: list[Sequence]) -> list[int]:
     """Index of each sequence's last token in the packed prefill row."""
     ends, total = [], 0
@@ -672,6 +688,9 @@ class FlexInference:
         }
         # Static decode inputs (CUDA graphs read them in place): rows 0..B-1 of each.
         self.static_step_inputs = torch.zeros(3, max_batch_size, dtype=torch.long, device=self.device)
+        # Two host buffers for sampled tokens: one being read while the next step fills the other.
+        self.host_next_ids = torch.zeros(2, max_batch_size, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        self.num_decode_launches = 0
         # compile_decode: the whole step (masks, layer walk, logits) is one torch.compile graph with
         # a symbolic batch size, compiled once for every bucket, so norms, RoPE, residuals and PLE
         # fuse; CUDA graphs then capture it per bucket.
@@ -877,25 +896,56 @@ class FlexInference:
         logits_BV = self._logits(hidden_B1E[:, -1])
         return logits_BV.argmax(-1), logits_BV
 
-    def _run_decode(self, running: list[Sequence], use_graph: bool) -> tuple[list[int], torch.Tensor]:
-        B = len(running)
+    def _launch_decode(self, rows: list[Sequence], use_graph: bool, previous: "DecodeLaunch | None" = None) -> "DecodeLaunch":
+        """Queues one decode step for `rows` and returns without waiting for it.
+
+        Fresh steps take their inputs from the host bookkeeping. A chained step (`previous`, the
+        step just queued for the same rows) takes the tokens `previous` sampled, on the device, one
+        position further: the GPU runs it while the host reads and books `previous`'s tokens.
+        """
+        B = len(rows)
         # Eager decode pads to the same buckets as the graphs: one compiled kernel per bucket.
         bucket = next(b for b in self.buckets if b >= B)
-        # Rows: last token, its position, batch slot; padding rows aim at the reserved slot 0.
-        padding = [0] * (bucket - B)
-        step_inputs = torch.tensor([
-            [seq.output_ids[-1] for seq in running] + padding,  # a running sequence has output
-            [seq.seq_len - 1 for seq in running] + padding,
-            [seq.batch_idx for seq in running] + padding,
-        ])  # fmt: skip
-        self._flush_page_tables()
-        self.static_step_inputs[:, :bucket].copy_(step_inputs, non_blocking=True)
+        if previous is None:
+            # Rows: last token, its position, batch slot; padding rows aim at the reserved slot 0.
+            padding = [0] * (bucket - B)
+            step_inputs = torch.tensor([
+                [seq.output_ids[-1] for seq in rows] + padding,  # a running sequence has output
+                [seq.seq_len - 1 for seq in rows] + padding,
+                [seq.batch_idx for seq in rows] + padding,
+            ])  # fmt: skip
+            self._flush_page_tables()
+            self.static_step_inputs[:, :bucket].copy_(step_inputs, non_blocking=True)
+        else:
+            self.static_step_inputs[0, :B].copy_(previous.next_ids[:B])
+            self.static_step_inputs[1, :B] += 1
         if use_graph:
             graph, next_ids, logits = self.cuda_graphs[bucket]
             graph.replay()
         else:
             next_ids, logits = self.decode_step(*self._static_step_inputs(bucket))
-        return next_ids[:B].tolist(), logits[:B]  # the one device->host sync per decode step
+        # The tokens go to a host buffer of their own: a chained step overwrites a graph's outputs.
+        host_ids = self.host_next_ids[self.num_decode_launches % 2]
+        self.num_decode_launches += 1
+        host_ids[:B].copy_(next_ids[:B], non_blocking=True)
+        is_done = None
+        if self.device.type == "cuda":
+            is_done = torch.cuda.Event()
+            is_done.record()
+        logits_BV = logits[:B].clone() if any(seq.record_logits for seq in rows) else None
+        return DecodeLaunch(rows, next_ids, host_ids, is_done, logits_BV)
+
+    def _can_chain(self, launch: "DecodeLaunch", waiting: deque) -> bool:
+        """Whether the next step can be queued before `launch`'s tokens are read: the same rows
+        go on, as no row has finished, none reaches its length limit with `launch`'s token, every
+        row's next position fits its pages, and no waiting sequence could be admitted instead."""
+        for seq in launch.rows:
+            if seq.finished or len(seq.output_ids) + 1 >= seq.max_new_tokens or seq.seq_len + 1 >= self.max_seq_length:
+                return False
+            # the chained step writes the K/V of the token `launch` samples, at position seq_len
+            if seq.seq_len >= self.holds_until[seq.batch_idx]:
+                return False
+        return not (waiting and self.page_table.can_allocate() and self._can_hold(waiting[0]))
 
     def _static_step_inputs(self, bucket: int) -> list[torch.Tensor]:
         """Rows 0..bucket-1 of the static input ids, positions and batch slots; the compiled step
@@ -975,7 +1025,7 @@ class FlexInference:
             table.erase(seq.batch_idx, release_slot=table is self.page_table)
         seq.batch_idx = -1
 
-    def _append(self, seq: Sequence, token: int, logits_V: torch.Tensor) -> None:
+    def _append(self, seq: Sequence, token: int, logits_V: torch.Tensor | None) -> None:
         seq.output_ids.append(token)
         if seq.record_logits:
             seq.output_logits.append(logits_V.detach().float().cpu())
@@ -1020,47 +1070,62 @@ class FlexInference:
                     self._release(seq)
 
     def _generate(self, sequences: list[Sequence], capture_cudagraph: bool, progress: bool) -> list[Sequence]:
-        """The scheduler loop: admit and prefill, one decode step for all running, retire."""
+        """The scheduler loop: admit and prefill, decode steps for all running, retire.
+
+        While the running set stays the same, each decode step is queued before the previous
+        one's tokens are read, so the host's bookkeeping overlaps the GPU's work.
+        """
         waiting: deque[Sequence] = deque(sequences)
         running: list[Sequence] = []  # in admission order: the last one is preempted first
+        launch: DecodeLaunch | None = None  # a decode step queued but not read yet
         bar = _progress_bar(sum(s.max_new_tokens for s in sequences), progress)
         num_prefill_tokens = num_decode_tokens = 0
         prefill_s = decode_s = 0.0
         while waiting or running:
-            admitted, admitted_tokens = [], 0
-            while (
-                waiting
-                and self.page_table.can_allocate()
-                and self._can_hold(waiting[0])
-                and admitted_tokens + waiting[0].seq_len <= self.max_prefill_tokens
-            ):
-                seq = waiting.popleft()
-                self._admit(seq)
-                admitted.append(seq)
-                admitted_tokens += seq.seq_len
-            if admitted:
+            if launch is None:
+                admitted, admitted_tokens = [], 0
+                while (
+                    waiting
+                    and self.page_table.can_allocate()
+                    and self._can_hold(waiting[0])
+                    and admitted_tokens + waiting[0].seq_len <= self.max_prefill_tokens
+                ):
+                    seq = waiting.popleft()
+                    self._admit(seq)
+                    admitted.append(seq)
+                    admitted_tokens += seq.seq_len
+                if admitted:
+                    start = time.perf_counter()
+                    next_ids, logits = self._prefill(admitted)
+                    prefill_s += time.perf_counter() - start
+                    num_prefill_tokens += admitted_tokens
+                    for i, seq in enumerate(admitted):
+                        self._append(seq, next_ids[i], logits[i])
+                    running += admitted
+                    bar.update(len(admitted))
+                running = self._retire(running)
+                if not running:
+                    continue
+                running = self._reserve_or_preempt(running, waiting)
+                if not running:  # the only sequence gave its pages back: admit again
+                    continue
                 start = time.perf_counter()
-                next_ids, logits = self._prefill(admitted)
-                prefill_s += time.perf_counter() - start
-                num_prefill_tokens += admitted_tokens
-                for i, seq in enumerate(admitted):
-                    self._append(seq, next_ids[i], logits[i])
-                running += admitted
-                bar.update(len(admitted))
-            running = self._retire(running)
-            if not running:
-                continue
-            running = self._reserve_or_preempt(running, waiting)
-            if not running:  # the only sequence gave its pages back: admit again
-                continue
-            start = time.perf_counter()
-            next_ids, logits = self._run_decode(running, capture_cudagraph)
+                launch = self._launch_decode(running, capture_cudagraph)
+            else:
+                start = time.perf_counter()
+            next_launch = self._launch_decode(running, capture_cudagraph, launch) if self._can_chain(launch, waiting) else None
+            next_ids = launch.read()
             decode_s += time.perf_counter() - start
-            num_decode_tokens += len(running)
-            for i, seq in enumerate(running):
-                self._append(seq, next_ids[i], logits[i])
-            bar.update(len(running))
-            running = self._retire(running)
+            num_appended = 0
+            for i, seq in enumerate(launch.rows):
+                if not seq.finished:  # a row that finished a step earlier rode along in a chained step
+                    self._append(seq, next_ids[i], None if launch.logits_BV is None else launch.logits_BV[i])
+                    num_appended += 1
+            num_decode_tokens += num_appended
+            bar.update(num_appended)
+            launch = next_launch
+            if launch is None:
+                running = self._retire(running)
             bar.set_postfix_str(
                 f"prefill {num_prefill_tokens / max(prefill_s, 1e-9):.0f} tok/s, "
                 f"decode {num_decode_tokens / max(decode_s, 1e-9):.0f} tok/s"

@@ -218,16 +218,16 @@ def test_sliding_window_pages_are_recycled_and_tokens_still_match_hf(tiny_dir):
     assert window_table.n_pages < engine.page_table.n_pages, f"{window_table.n_pages=} {engine.page_table.n_pages=}"
     max_window_pages = -(-window // page_size) + 1
     most_pages_seen = []
-    run_decode = engine._run_decode
+    launch_decode = engine._launch_decode
 
-    def checked_run_decode(running, use_graph):
-        for seq in running:
+    def checked_launch_decode(rows, use_graph, previous=None):
+        for seq in rows:
             most_pages_seen.append(window_table.num_pages_of(seq.batch_idx))
             # the full-attention pool still holds every token
             assert engine.page_table.num_pages_of(seq.batch_idx) == -(-seq.seq_len // page_size)
-        return run_decode(running, use_graph)
+        return launch_decode(rows, use_graph, previous)
 
-    engine._run_decode = checked_run_decode
+    engine._launch_decode = checked_launch_decode
     prompts = random_prompts([90, 7, 41], hf.config.vocab_size, seed=9)
     sequences = engine.generate([Sequence(input_ids=ids) for ids in prompts])
     assert most_pages_seen and max(most_pages_seen) <= max_window_pages, f"{max(most_pages_seen)=} {max_window_pages=}"

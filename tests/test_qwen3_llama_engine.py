@@ -92,6 +92,32 @@ def test_every_end_id_of_the_generation_config_stops(case):
     assert stopped[0].output_ids == first[0][:3] and stopped[0].finish_reason == "stop"
 
 
+def test_chained_decode_steps_stop_on_end_ids_and_match_hf(case):
+    """Most decode steps are queued before the previous one's tokens are read; a row that hits an
+    end id inside such a chain rides along one step and its extra token is dropped."""
+    engine, prompts = case["engine"], case["prompts"]
+    stop_id = case["want"][1][5]  # an end id in the middle of a completion
+    want = hf_greedy(case["hf"], prompts, MAX_NEW_TOKENS, {stop_id})
+    assert any(len(w) < MAX_NEW_TOKENS for w in want), "no completion stops early"
+    launch_decode, end_ids = engine._launch_decode, engine.end_ids
+    num_launches = {"fresh": 0, "chained": 0}
+
+    def counted_launch_decode(rows, use_graph, previous=None):
+        num_launches["fresh" if previous is None else "chained"] += 1
+        return launch_decode(rows, use_graph, previous)
+
+    engine._launch_decode, engine.end_ids = counted_launch_decode, {stop_id}
+    try:
+        sequences = engine.generate([Sequence(input_ids=ids) for ids in prompts])
+    finally:
+        engine._launch_decode, engine.end_ids = launch_decode, end_ids
+    for i, (seq, w) in enumerate(zip(sequences, want)):
+        assert seq.output_ids == w, f"prompt {i}: {seq.output_ids=} {w=}"
+        assert seq.finish_reason == ("stop" if len(w) < MAX_NEW_TOKENS else "length"), f"prompt {i}: {seq.finish_reason=}"
+    assert num_launches["chained"] > num_launches["fresh"], f"{num_launches=}"
+    assert engine.page_table.num_used_pages == 0
+
+
 def test_sequences_come_back_complete_in_input_order_as_the_same_objects(case):
     engine = case["engine"]
     sequences = [Sequence(input_ids=ids, max_new_tokens=n) for ids, n in zip(case["prompts"], [3, 9, 1, 5, 7, 2, 4, 6])]
@@ -149,19 +175,19 @@ def test_fused_projections_give_the_same_tokens_as_hf(case):
 
 def test_an_error_mid_generate_leaves_no_slot_or_page_held(case):
     engine = make_engine(case["path"])
-    run_decode = engine._run_decode
+    launch_decode = engine._launch_decode
     calls = []
 
-    def failing_run_decode(*args):
+    def failing_launch_decode(*args):
         calls.append(1)
         if len(calls) == 3:
             raise KeyboardInterrupt
-        return run_decode(*args)
+        return launch_decode(*args)
 
-    engine._run_decode = failing_run_decode
+    engine._launch_decode = failing_launch_decode
     with pytest.raises(KeyboardInterrupt):
         generate(engine, case["prompts"])
     table = engine.page_table
     assert table.num_used_pages == 0 and len(table.free_batch_idx) == table.max_batch_size - 1
-    engine._run_decode = run_decode
+    engine._launch_decode = launch_decode
     assert generate(engine, case["prompts"]) == case["want"]
