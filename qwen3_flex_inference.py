@@ -203,24 +203,18 @@ class PageTable:
             slots.append(0 if page is None else page * self.page_size + pos % self.page_size)
         return slots
 
-    def decode_mask(self, logical_rows: tuple, input_pos_B: torch.Tensor, batch_idx_B: torch.Tensor, sliding_window) -> PagedDecodeMask:
-        """Maps each decode row's logical blocks (`logical_block_rows`: [B, 1, 1, max_logical_blocks])
-        to physical pages ([B, 1, 1, n_pages], only the first kv_num_blocks of each row are read)."""
-        page_table_B = self.page_table[batch_idx_B].long()  # [B, max_logical_blocks]
-
-        def to_physical(logical_indices):
-            B = logical_indices.shape[0]
-            physical_BL = torch.gather(page_table_B, 1, logical_indices.view(B, -1).long()).to(torch.int32)
-            # NOTE: the kernel checks kv_indices covers the whole KV length (n_pages blocks).
-            physical_BP = nn.functional.pad(physical_BL, (0, self.n_pages - physical_BL.shape[1]))
-            return physical_BP.view(B, 1, 1, self.n_pages)
-
-        (kv_num_blocks, kv_indices), (full_kv_num_blocks, full_kv_indices) = logical_rows
+    def decode_mask(self, input_pos_B: torch.Tensor, batch_idx_B: torch.Tensor, sliding_window: int | None) -> PagedDecodeMask:
+        """Each decode row's visible logical blocks (`visible_logical_blocks`) mapped to physical
+        pages ([B, 1, 1, n_pages]; only the first kv_num_blocks of each row are read)."""
+        kv_num_blocks, logical_indices = visible_logical_blocks(input_pos_B, self.page_size, sliding_window, self.max_logical_blocks)
+        B = input_pos_B.shape[0]
+        page_table_BL = self.page_table[batch_idx_B]
+        physical_BL = torch.gather(page_table_BL, 1, logical_indices.view(B, -1).long())
+        # NOTE: the kernel checks kv_indices covers the whole KV length (n_pages blocks).
+        physical_BP = nn.functional.pad(physical_BL, (0, self.n_pages - physical_BL.shape[1]))
         return PagedDecodeMask(
             kv_num_blocks,
-            to_physical(kv_indices),
-            full_kv_num_blocks,
-            to_physical(full_kv_indices),
+            physical_BP.view(B, 1, 1, self.n_pages),
             input_pos_B,
             batch_idx_B,
             self.physical_to_logical,
@@ -298,16 +292,23 @@ def offset_mask_mod(mask_mod, input_pos_B: torch.Tensor):
     return offset
 
 
-def logical_block_rows(logical_mask: BlockMask, input_pos_B: torch.Tensor) -> tuple:
-    """For each decode row, the logical mask's row of blocks holding position input_pos_B[b]:
-    ((kv_num_blocks [B, 1, 1], kv_indices [B, 1, 1, max_logical_blocks]), the same for full blocks)."""
-    q_block_B = (input_pos_B // logical_mask.BLOCK_SIZE[0]).long()
-    B = q_block_B.shape[0]
+def visible_logical_blocks(input_pos_B: torch.Tensor, page_size: int, sliding_window: int | None, max_logical_blocks: int) -> tuple:
+    """Every logical block a decode query at input_pos_B[b] sees (a window's left edge to the query's
+    own block): (kv_num_blocks [B, 1, 1], kv_indices [B, 1, 1, max_logical_blocks]), all partial.
 
-    def rows(num_blocks, indices):
-        return num_blocks[0, 0, q_block_B].view(B, 1, 1), indices[0, 0, q_block_B].view(B, 1, 1, -1)
-
-    return rows(logical_mask.kv_num_blocks, logical_mask.kv_indices), rows(logical_mask.full_kv_num_blocks, logical_mask.full_kv_indices)
+    NOTE: no full blocks on purpose. With full blocks, flex's decode kernel splits the whole pool
+    length (KV_LEN) among its SPLIT_KV programs, so a row's few pages all land in the first split
+    and one program per row does all the work; with partial blocks only, it splits the row's own
+    blocks. The mask_mod is exact either way.
+    """
+    last_block_B = input_pos_B // page_size
+    first_pos_B = input_pos_B if sliding_window is None else (input_pos_B - sliding_window + 1).clamp(min=0)
+    first_block_B = first_pos_B // page_size if sliding_window is not None else torch.zeros_like(last_block_B)
+    B = input_pos_B.shape[0]
+    kv_num_blocks = (last_block_B - first_block_B + 1).to(torch.int32).view(B, 1, 1)
+    logical_BL = first_block_B[:, None] + torch.arange(max_logical_blocks, device=input_pos_B.device)
+    kv_indices = logical_BL.clamp(max=max_logical_blocks - 1).to(torch.int32).view(B, 1, 1, max_logical_blocks)
+    return kv_num_blocks, kv_indices
 
 
 def physical_mask_mod(logical_mask_mod, physical_to_logical: torch.Tensor, batch_idx_B: torch.Tensor, page_size: int):
@@ -329,9 +330,7 @@ class PagedDecodeMask:
     attention op (`paged_decode_attention`), which rebuilds the BlockMask and its mask_mod."""
 
     kv_num_blocks: torch.Tensor  # [B, 1, 1]
-    kv_indices: torch.Tensor  # [B, 1, 1, n_pages] physical pages
-    full_kv_num_blocks: torch.Tensor  # [B, 1, 1]
-    full_kv_indices: torch.Tensor  # [B, 1, 1, n_pages]
+    kv_indices: torch.Tensor  # [B, 1, 1, n_pages] physical pages (partial blocks only: see visible_logical_blocks)
     input_pos_B: torch.Tensor  # logical position of each row's query token
     batch_idx_B: torch.Tensor  # each row's batch slot
     physical_to_logical: torch.Tensor  # [slots, n_pages] -> logical block, -1 if not owned
@@ -342,11 +341,14 @@ class PagedDecodeMask:
         """One query row per sequence over the whole pool. seq_lengths must equal the real q/kv
         lengths (torch >= 2.9 checks); no q blocks are needed without a backward pass."""
         logical_mask_mod = offset_mask_mod(causal_mask_mod(self.sliding_window or None), self.input_pos_B)
+        full_blocks = (None, None)
+        if self.kv_indices.device.type == "cpu":
+            # NOTE: torch's C++ flex kernel does not compile without full blocks: give it none.
+            full_blocks = (torch.zeros_like(self.kv_num_blocks), torch.zeros_like(self.kv_indices))
         return BlockMask.from_kv_blocks(
             self.kv_num_blocks,
             self.kv_indices,
-            self.full_kv_num_blocks,
-            self.full_kv_indices,
+            *full_blocks,
             BLOCK_SIZE=self.page_size,
             mask_mod=physical_mask_mod(logical_mask_mod, self.physical_to_logical, self.batch_idx_B, self.page_size),
             seq_lengths=(1, self.physical_to_logical.shape[1] * self.page_size),
@@ -395,8 +397,6 @@ def paged_decode_attention(
     v_cache: torch.Tensor,
     kv_num_blocks: torch.Tensor,
     kv_indices: torch.Tensor,
-    full_kv_num_blocks: torch.Tensor,
-    full_kv_indices: torch.Tensor,
     input_pos_B: torch.Tensor,
     batch_idx_B: torch.Tensor,
     physical_to_logical: torch.Tensor,
@@ -412,8 +412,7 @@ def paged_decode_attention(
     that kernel ran ~4x slower on an H200 (2.57 vs 0.64 ms a step at batch 64).
     """
     block_mask = PagedDecodeMask(
-        kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, input_pos_B, batch_idx_B, physical_to_logical,
-        page_size, sliding_window,
+        kv_num_blocks, kv_indices, input_pos_B, batch_idx_B, physical_to_logical, page_size, sliding_window
     ).block_mask()
     # NOTE: automatic dynamic shapes would make a dimension symbolic once a second value is seen;
     # decode wants everything static (the CPU kernel indexes out of bounds with a symbolic KV
@@ -477,8 +476,7 @@ class FlexStep:
         if not self.is_prefill:
             mask = self.block_masks[regime]
             return paged_decode_attention(
-                q, cache.k_cache, cache.v_cache, mask.kv_num_blocks, mask.kv_indices, mask.full_kv_num_blocks, mask.full_kv_indices,
-                mask.input_pos_B, mask.batch_idx_B, mask.physical_to_logical, mask.page_size, mask.sliding_window,
+                q, cache.k_cache, cache.v_cache, mask.kv_num_blocks, mask.kv_indices, mask.input_pos_B, mask.batch_idx_B, mask.physical_to_logical, mask.page_size, mask.sliding_window,
                 float(module.scaling), kernel_options,
             )
         k, v = self.packed_kv[cache_layer_idx]
@@ -679,13 +677,6 @@ class FlexInference:
             False: {D: json.dumps(self.kernel_options(False, D)) for D in head_dims},
         }
         self._patch_model()
-        # One logical causal mask per regime, built once; each decode step slices its rows.
-        self.logical_decode_masks = {
-            regime: create_block_mask(
-                causal_mask_mod(window), None, None, max_seq_length, max_seq_length, device=self.device, BLOCK_SIZE=page_size
-            )
-            for regime, window in self.attention_regimes.items()
-        }
         # Static decode inputs (CUDA graphs read them in place): rows 0..B-1 of each.
         self.static_step_inputs = torch.zeros(3, max_batch_size, dtype=torch.long, device=self.device)
         # Two host buffers for sampled tokens: one being read while the next step fills the other.
@@ -884,10 +875,8 @@ class FlexInference:
         """
         mark_all_static(input_pos_B, batch_idx_B)
         block_masks, physical_slots = {}, {}
-        for regime, logical_mask in self.logical_decode_masks.items():
-            table = self.page_tables[regime]
-            logical_rows = logical_block_rows(logical_mask, input_pos_B)
-            block_masks[regime] = table.decode_mask(logical_rows, input_pos_B, batch_idx_B, self.attention_regimes[regime])
+        for regime, table in self.page_tables.items():
+            block_masks[regime] = table.decode_mask(input_pos_B, batch_idx_B, self.attention_regimes[regime])
             # page_table[batch_idx, logical_block] -> physical_page; cache row = page * page_size + offset
             page_B = table.page_table[batch_idx_B, input_pos_B // self.page_size].long()
             physical_slots[regime] = page_B * self.page_size + input_pos_B % self.page_size

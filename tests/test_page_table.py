@@ -95,3 +95,23 @@ def test_trimmed_blocks_recycle_their_pages_and_map_to_the_reserved_page():
     assert table.num_pages_of(a) == 7 and table.num_free_pages == 0
     table.erase(a)
     assert table.num_free_pages == 7 and table.num_used_pages == 0
+
+
+@pytest.mark.parametrize("sliding_window", [None, 40, 16])
+def test_visible_logical_blocks_are_exactly_the_blocks_the_causal_mask_touches(sliding_window):
+    """Decode rows list every logical block their query sees, windowed or not, and no other."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from qwen3_flex_inference import causal_mask_mod, visible_logical_blocks
+
+    page_size, max_seq_length = 16, 128
+    logical = create_block_mask(causal_mask_mod(sliding_window), None, None, max_seq_length, max_seq_length, device="cpu", BLOCK_SIZE=page_size)
+    dense = logical.to_dense()[0, 0]  # [q blocks, kv blocks]: 1 where a block is partly or fully visible
+    input_pos_B = torch.tensor([0, 15, 16, 39, 40, 57, 100, 127])
+    kv_num_blocks, kv_indices = visible_logical_blocks(input_pos_B, page_size, sliding_window, max_seq_length // page_size)
+    for b, pos in enumerate(input_pos_B.tolist()):
+        got = kv_indices[b, 0, 0, : kv_num_blocks[b, 0, 0]].tolist()
+        # the blocks holding a position the query at `pos` sees (its own block row may touch later ones)
+        want = sorted({kv // page_size for kv in range(pos + 1) if sliding_window is None or pos - kv < sliding_window})
+        assert got == want, f"{pos=} {got=} {want=}"
+        assert set(want) <= set(dense[pos // page_size].nonzero().flatten().tolist())
