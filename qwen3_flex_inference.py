@@ -1,14 +1,17 @@
 """Fast, exact rollouts for Qwen3 and Llama-3.2 on flex_attention with a paged KV cache.
 
 One token's path through this file, top to bottom:
-page table and KV cache -> block masks -> flex attention -> patched attention -> layer walker ->
-engine (scheduler, packed prefill, decode, CUDA graphs) -> LoRA double-copy and drift check ->
-data parallel (one engine per torchrun rank) -> CLI.
+page table and KV cache -> block masks -> flex attention -> skinny decode GEMMs -> patched
+attention -> layer walker -> engine (scheduler, packed prefill, decode, CUDA graphs) -> LoRA
+double-copy and drift check -> data parallel (one engine per torchrun rank) -> CLI.
 
 Ideas taken from: PagedAttention (vLLM) for the paged KV cache; nano-vllm and flex-nano-vllm for
 the scheduler, the page table and turning a logical block mask into a physical one; attention-gym's
-paged-attention example; gpt-fast for CUDA-graph decode. The reference for every number this
-engine produces is Hugging Face transformers on the same weights.
+paged-attention example; gpt-fast for CUDA-graph decode; for the few-row GEMMs, split-K work
+decomposition (Hoque et al., "Accelerating a Triton Fused Kernel for W4A16 Quantized Inference
+with SplitK", 2024; here without atomics) and putting the weight on the MMA's wide side ("swap
+AB", as vLLM's small-batch CUTLASS GEMMs do). The reference for every number this engine produces
+is Hugging Face transformers on the same weights.
 """
 
 from __future__ import annotations
@@ -32,6 +35,12 @@ import torch._dynamo
 import torch.distributed as dist
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU installs without triton: skinny_linear is then plain F.linear
+    triton = None
 
 # Built-in prompts: math word problems written for this project, so the demo needs no network.
 DEFAULT_PROMPTS = [
@@ -492,6 +501,250 @@ class FlexStep:
 
 
 # ---------------------------------------------------------------------------------------------
+# Skinny decode GEMMs: a Triton GEMV for few rows, raced against cuBLAS per weight shape
+# ---------------------------------------------------------------------------------------------
+
+# A decode GEMM at small batch reads every weight byte once and does 2 * M FLOPs per weight
+# element: its time is the weight's bytes over the bandwidth reached. cuBLAS's skinny kernels reach
+# 1.6-3.3 TB/s on E2B's decode weights on an H200 (copies reach 4.2) at batch 1, 2.3-3.7 TB/s at
+# batch 64 (a step's GEMMs: ~2.0 ms against 1.1 ms for its 4.56 GB), and a 0.79 MB PLE projection
+# takes ~4.6 us. The kernel below streams the weight; skinny_linear races it against cuBLAS per
+# (shape, dtype, row bucket) on the GPU it runs on and keeps the faster one.
+#
+# Kernel design (out[M, N] = x[M, K] @ w[N, K]^T, M <= 64, i.e. every decode bucket up to 64):
+# - Program (n, s) owns BLOCK_N output features and the s-th of SPLIT_K runs of K; it walks its K
+#   run in [BLOCK_N, BLOCK_K] tiles of w and multiplies each tile with all M rows of x, so every
+#   weight byte is read once whatever M is.
+# - The product is a tl.dot with w as the wide left operand and x^T padded to BLOCK_M = 16, 32 or
+#   64 columns, the row bucket (masked rows load nothing; one compiled variant per BLOCK_M). The w tile is K-contiguous and 16-byte aligned (K a multiple of 16, which
+#   Triton specialises on), so it is fetched with 16-byte vector loads (cp.async into shared memory
+#   when num_stages > 1), and the software pipeline keeps num_stages - 1 tiles per program in flight:
+#   8-96 KB per program with the configs below, several programs per SM. The padding wastes tensor-
+#   core FLOPs, which are not the limit: 16 columns at 4.8 TB/s need ~80 of the H200's ~990 bf16
+#   TFLOP/s. Broadcast-multiply + tl.sum would put the products on the CUDA cores instead: at 16 rows
+#   that is 3.8e13 fp32 FMAs/s at full bandwidth, more than the H200's ~3.4e13, plus a cross-thread
+#   reduction per row and tile (or M * BLOCK_N * BLOCK_K fp32 accumulators in registers).
+# - Split-K, because E2B's o, down and PLE projections have N = 1536 or 256 (2-96 row blocks, too
+#   few programs to keep 132 SMs' worth of bytes in flight) and a smaller BLOCK_N alone cannot fix that
+#   (the MMA wants BLOCK_N >= 16: still 96 programs, each a long serial K loop). It is
+#   deterministic: no atomics; each split writes fp32 partials [SPLIT_K, M, N] and a second small
+#   kernel sums them in a fixed order and casts. That second launch costs time, so the race picks a
+#   split-K config only where it still wins.
+
+SKINNY_MAX_ROWS = 64  # rows (decode batch) up to which skinny_linear races the Triton kernel against cuBLAS
+SKINNY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+SKINNY_REDUCE_BLOCK = 1024  # elements per program of the split-K reduction
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    """One launch configuration of the skinny GEMM kernel."""
+
+    block_n: int  # output features (rows of w) per program
+    block_k: int  # K chunk per loop iteration
+    split_k: int  # programs sharing one row block's K (1: out written directly, one kernel)
+    num_warps: int
+    num_stages: int  # software-pipeline depth: num_stages - 1 tiles of w in flight per program
+
+
+# NOTE: picked for E2B's bf16 decode shapes on an H200 (132 SMs, 227 KB shared memory per block):
+# each shape has configs giving >= ~130 programs with work, except the 0.79 MB PLE ones, whose time
+# is latency: their config is one kernel with all of a program's K chunks in flight at once. Shared
+# memory per program is about num_stages * (block_n + BLOCK_M) * block_k * 2 bytes; configs that
+# exceed the limit at a BLOCK_M (or in float32) fail to launch there and are dropped by the race.
+SKINNY_CONFIGS = (
+    SkinnyConfig(128, 128, 1, 8, 4),  # very wide N: lm_head (262144), gate_up of the KV-shared layers (24576)
+    SkinnyConfig(64, 128, 1, 4, 4),  # wide N: gate_up (12288), per-layer model projection (8960)
+    SkinnyConfig(64, 256, 1, 4, 3),  # the same in longer K chunks
+    SkinnyConfig(64, 128, 2, 4, 4),  # N 4096-9000 at K 1536: qkv, q of the full-attention layers
+    SkinnyConfig(32, 128, 4, 4, 4),  # N 2048-2560 at K 1536: qkv, q of the sliding layers
+    SkinnyConfig(32, 256, 8, 4, 3),  # N 1536 at K 2048-12288: o and down projections
+    SkinnyConfig(64, 256, 8, 4, 3),  # the same in fewer, longer programs (down of the KV-shared layers)
+    SkinnyConfig(16, 256, 1, 4, 6),  # tiny weights (PLE gate 256 x 1536, projection 1536 x 256): up to 6 K chunks in flight
+)
+
+if triton is not None:
+
+    # NOTE: M and the strides that change with M are not specialised on: Triton would otherwise
+    # compile another variant for M == 1 or M == 16, and compiling while a CUDA graph is captured
+    # is not allowed. One variant per config, dtype and BLOCK_M, compiled by skinny_linear's race.
+    @triton.jit(do_not_specialize=["M", "stride_split"])
+    def _skinny_matmul_kernel(
+        x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_split,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        """out[s, M, N] = x[M, K] @ w[N, K]^T over split s's run of K chunks; fp32 accumulation."""
+        pid_n = tl.program_id(0)
+        pid_split = tl.program_id(1)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = tl.arange(0, BLOCK_M)
+        chunks_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
+        k_start = pid_split * chunks_per_split * BLOCK_K
+        k_end = tl.minimum(k_start + chunks_per_split * BLOCK_K, K)  # the last splits may be empty
+        acc_NM = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            w_NK = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=(offs_n[:, None] < N) & (offs_k[None, :] < K), other=0.0)
+            x_MK = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
+            acc_NM = tl.dot(w_NK, tl.trans(x_MK), acc_NM, input_precision=INPUT_PRECISION)
+        out_ptrs = out_ptr + pid_split * stride_split + offs_m[None, :] * stride_om + offs_n[:, None]
+        tl.store(out_ptrs, acc_NM.to(out_ptr.dtype.element_ty), mask=(offs_m[None, :] < M) & (offs_n[:, None] < N))
+
+    @triton.jit(do_not_specialize=["numel"])
+    def _skinny_split_k_reduce_kernel(partials_ptr, out_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+        """out[i] = sum over s of partials[s, i], always in the order s = 0, 1, ...: bitwise reproducible."""
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < numel
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for split in tl.static_range(SPLIT_K):
+            acc += tl.load(partials_ptr + split * numel + offs, mask=mask, other=0.0)
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def skinny_matmul_triton(x2d_MK: torch.Tensor, w_NK: torch.Tensor, config: SkinnyConfig) -> torch.Tensor:
+    """out_MN = x2d_MK @ w_NK^T through the Triton kernel(s) of one config.
+
+    M <= SKINNY_MAX_ROWS; x and w of one dtype in SKINNY_DTYPES, K contiguous in both; fp32
+    accumulation, out_MN in x's dtype. Runs on CUDA, or on CPU tensors under TRITON_INTERPRET=1.
+    """
+    M, K = x2d_MK.shape
+    N = w_NK.shape[0]
+    if not (0 < M <= SKINNY_MAX_ROWS and w_NK.shape[1] == K and x2d_MK.stride(1) == 1 and w_NK.stride(1) == 1):
+        raise ValueError(f"skinny_matmul_triton needs 1..{SKINNY_MAX_ROWS} rows and K contiguous: x {tuple(x2d_MK.shape)}, w {tuple(w_NK.shape)}")
+    if x2d_MK.dtype != w_NK.dtype or x2d_MK.dtype not in SKINNY_DTYPES:
+        raise ValueError(f"skinny_matmul_triton needs x and w of one dtype in {SKINNY_DTYPES}: x {x2d_MK.dtype}, w {w_NK.dtype}")
+    # NOTE: the kernel's offsets are int32, so w must have fewer than 2**31 elements.
+    if w_NK.numel() >= 2**31:
+        raise ValueError(f"skinny_matmul_triton needs a weight of fewer than 2**31 elements: {tuple(w_NK.shape)}")
+    out_MN = torch.empty(M, N, dtype=x2d_MK.dtype, device=x2d_MK.device)
+    # partials_SMN: [split_k, M, N] fp32, or out_MN itself without split-K
+    partials_SMN = out_MN if config.split_k == 1 else torch.empty(config.split_k, M, N, dtype=torch.float32, device=x2d_MK.device)
+    _skinny_matmul_kernel[(triton.cdiv(N, config.block_n), config.split_k)](
+        x2d_MK, w_NK, partials_SMN, M, N, K, x2d_MK.stride(0), w_NK.stride(0), N, M * N if config.split_k > 1 else 0,
+        BLOCK_M=max(16, skinny_rows_bucket(M)), BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k,
+        # NOTE: float32 operands would go through TF32 by default (~1e-3 relative error); "ieee" keeps fp32.
+        INPUT_PRECISION="ieee" if x2d_MK.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    if config.split_k > 1:
+        _skinny_split_k_reduce_kernel[(triton.cdiv(M * N, SKINNY_REDUCE_BLOCK),)](
+            partials_SMN, out_MN, M * N, SPLIT_K=config.split_k, BLOCK=SKINNY_REDUCE_BLOCK
+        )
+    return out_MN
+
+
+# (N, K, dtype name, row bucket) -> {"winner": "cublas" or an index into SKINNY_CONFIGS,
+# "us": backend -> median GPU us per call, "failed": config index -> why it was dropped}
+SKINNY_CHOICES: dict = {}
+SKINNY_TUNE_WARMUP_CALLS = 3
+SKINNY_TUNE_TIMED_CALLS = 15
+# GPU clock cycles of torch.cuda._sleep before the timed calls (~5 ms at 2 GHz): the CPU queues all
+# of them meanwhile, so that Python and launch overhead (absent in a CUDA graph) stay out of the times.
+SKINNY_TUNE_QUEUE_AHEAD_CYCLES = 10_000_000
+
+
+def skinny_rows_bucket(num_rows: int) -> int:
+    """The power of two >= num_rows: decode batches that share one entry of SKINNY_CHOICES."""
+    return 1 << (num_rows - 1).bit_length()
+
+
+def skinny_tolerance(dtype: torch.dtype) -> float:
+    """Largest ||out - ref|| / ||ref|| accepted from a Triton config against F.linear."""
+    if dtype != torch.float32:
+        return 1e-2
+    # NOTE: with TF32 allowed, cuBLAS's float32 result is itself only ~1e-3 accurate.
+    return 5e-3 if torch.backends.cuda.matmul.allow_tf32 else 1e-5
+
+
+def _gpu_us_per_call(fn, flush_L2: torch.Tensor) -> float:
+    """Median GPU time in us of one call of fn(), with L2 flushed before each timed call."""
+    for _ in range(SKINNY_TUNE_WARMUP_CALLS):
+        fn()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(SKINNY_TUNE_TIMED_CALLS)]
+    torch.cuda._sleep(SKINNY_TUNE_QUEUE_AHEAD_CYCLES)
+    for start, end in events:
+        flush_L2.zero_()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) * 1e3 for start, end in events)
+
+
+def race_skinny_backends(x2d_MK: torch.Tensor, w_NK: torch.Tensor) -> dict:
+    """Times F.linear and every config of SKINNY_CONFIGS on this input; returns an entry of SKINNY_CHOICES.
+
+    A config is first checked against F.linear on a fresh random x (seeded, its own generator, so
+    the caller's RNG stream is untouched; the caller's x may be all zeros in a warm-up) with the
+    real weight; one that raises (e.g. out of shared memory) or misses skinny_tolerance is dropped.
+
+    NOTE: times are taken on the real weight, since that is what runs, with L2 flushed before each
+    call: back to back, calls on one weight below ~50 MB (the H200's L2) would be served from L2, a
+    case a decode step never has (every other weight streams through between two uses of one).
+    The flush is a proxy; the real check is a whole decode step on the GPU with and without
+    skinny_linear (scripts/benchmarks/profile_decode.py), and scripts/benchmarks/bench_gemv.py
+    times each shape over rotated weight copies inside a CUDA graph.
+    """
+    generator = torch.Generator(device=x2d_MK.device).manual_seed(0)
+    x_check_MK = torch.randn(x2d_MK.shape, generator=generator, device=x2d_MK.device).to(x2d_MK.dtype)
+    ref_MN = nn.functional.linear(x_check_MK, w_NK).float()
+    candidates = {"cublas": lambda: nn.functional.linear(x2d_MK, w_NK)}
+    failed = {}
+    for idx, config in enumerate(SKINNY_CONFIGS):
+        try:
+            got_MN = skinny_matmul_triton(x_check_MK, w_NK, config).float()
+        except Exception as error:  # any compile or launch failure (e.g. triton's OutOfResources) drops the config
+            failed[idx] = f"{type(error).__name__}: {str(error)[:200]}"
+            continue
+        rel_err = ((got_MN - ref_MN).norm() / ref_MN.norm().clamp_min(1e-30)).item()
+        if not rel_err <= skinny_tolerance(w_NK.dtype):  # also drops NaN
+            failed[idx] = f"relative error {rel_err:.2e} against F.linear"
+            continue
+        candidates[idx] = lambda config=config: skinny_matmul_triton(x2d_MK, w_NK, config)
+    flush_L2 = torch.empty(2 * torch.cuda.get_device_properties(x2d_MK.device).L2_cache_size, dtype=torch.int8, device=x2d_MK.device)
+    us = {name: _gpu_us_per_call(fn, flush_L2) for name, fn in candidates.items()}
+    return {"winner": min(us, key=us.get), "us": us, "failed": failed}
+
+
+@torch.library.custom_op("flex_inference::skinny_linear", mutates_args=())
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, weight) without bias (x [..., K], weight [N, K] -> [..., N]), through the Triton
+    GEMV where it beat cuBLAS for this (N, K, dtype, row bucket) on this GPU.
+
+    Plain F.linear on CPU, without triton, above SKINNY_MAX_ROWS rows, or for dtypes/layouts the
+    kernel does not take. The first call of a new key outside CUDA-graph capture races the backends
+    (race_skinny_backends) and stores the outcome in SKINNY_CHOICES; a new key met during capture
+    gets F.linear (never time inside a capture), so warm every decode bucket up eagerly first.
+    Deterministic: once chosen, a key always runs the same kernels, none of them with atomics.
+    NOTE: another process may pick another backend where two are within timing noise, so results
+    are bitwise reproducible within a process, and equal only to rounding across processes.
+    An opaque op, so it sits in a torch.compile(fullgraph=True) graph with a symbolic batch.
+    """
+    N, K = weight.shape
+    num_rows = x.numel() // K
+    is_skinny = 0 < num_rows <= SKINNY_MAX_ROWS and x.dtype == weight.dtype and x.dtype in SKINNY_DTYPES
+    is_k_contiguous = x.stride(-1) == 1 and weight.stride(1) == 1
+    if triton is None or x.device.type != "cuda" or not is_skinny or not is_k_contiguous or weight.numel() >= 2**31:
+        return nn.functional.linear(x, weight)
+    x2d_MK = x.reshape(num_rows, K)
+    key = (N, K, str(x.dtype).removeprefix("torch."), skinny_rows_bucket(num_rows))
+    choice = SKINNY_CHOICES.get(key)
+    if choice is None:
+        if torch.cuda.is_current_stream_capturing():
+            return nn.functional.linear(x, weight)
+        with torch.cuda.device(x.device):  # the race's sleep, events and syncs act on the current device
+            choice = SKINNY_CHOICES[key] = race_skinny_backends(x2d_MK, weight)
+    if choice["winner"] == "cublas":
+        return nn.functional.linear(x, weight)
+    return skinny_matmul_triton(x2d_MK, weight, SKINNY_CONFIGS[choice["winner"]]).reshape(*x.shape[:-1], N)
+
+
+@skinny_linear.register_fake
+def _skinny_linear_shape(x, weight):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+# ---------------------------------------------------------------------------------------------
 # Patched attention and layer walker (Qwen3, Llama)
 # ---------------------------------------------------------------------------------------------
 
@@ -521,7 +774,13 @@ def project(owner: nn.Module, linears: list[nn.Module], fused_name: str, x: torc
     fused = getattr(owner, fused_name, None)
     if fused is None:
         return [linear(x) for linear in linears]
-    return list(nn.functional.linear(x, fused).split(getattr(owner, fused_name + "_sizes"), dim=-1))
+    linear = skinny_linear if getattr(owner, "is_skinny", False) else nn.functional.linear
+    return list(linear(x, fused).split(getattr(owner, fused_name + "_sizes"), dim=-1))
+
+
+def skinny_linear_forward(self, x):
+    """Replaces a bias-free nn.Linear's forward: the same product through skinny_linear."""
+    return skinny_linear(x, self.weight)
 
 
 def fused_mlp_forward(self, x):
@@ -641,6 +900,7 @@ class FlexInference:
         peft_model: nn.Module | None = None,
         compile_decode: bool = False,
         fuse_projections: bool = False,
+        skinny_gemms: bool = True,
     ):
         check_engine_limits(max_batch_size, max_seq_length, n_pages, page_size, max_new_tokens)
         self.model = model
@@ -699,6 +959,8 @@ class FlexInference:
 
         if fuse_projections:
             self._fuse_projections(peft_model is not None)
+        if skinny_gemms:
+            self._route_linears_through_skinny()
         self.peft_model = peft_model
         self.lora_targets: dict[str, torch.Tensor] = {}
         self.pristine_lora_weights: dict[str, torch.Tensor] = {}
@@ -757,12 +1019,23 @@ class FlexInference:
             fuse_linears(mlp, [mlp.gate_proj, mlp.up_proj], "fused_gate_up_weight")
             mlp.forward = fused_mlp_forward.__get__(mlp)
 
+    def _route_linears_through_skinny(self) -> None:
+        """Every bias-free nn.Linear of the decoder, the lm_head and the fused projections go
+        through skinny_linear: decode's few-row GEMMs take the Triton kernel wherever it beat
+        cuBLAS on this GPU (prefill's many rows, and every GEMM on the CPU, stay F.linear)."""
+        for module in [*self.decoder.modules(), self.causal_lm.lm_head]:
+            # NOTE: exact type: quantized linears (bitsandbytes' Linear4bit) subclass nn.Linear.
+            if type(module) is nn.Linear and module.bias is None:
+                module.forward = skinny_linear_forward.__get__(module)
+            if hasattr(module, "fused_qkv_weight") or hasattr(module, "fused_gate_up_weight"):
+                module.is_skinny = True
+
     def restore_model(self) -> None:
-        """Gives the model back its own attention forwards (HF generate works again); the engine
-        is unusable afterwards."""
-        for layer in self.decoder.layers:
-            layer.self_attn.__dict__.pop("forward", None)
-            layer.mlp.__dict__.pop("forward", None)
+        """Gives the model back its own forwards (HF generate works again); the engine is
+        unusable afterwards."""
+        for module in [*self.decoder.modules(), self.causal_lm.lm_head]:
+            module.__dict__.pop("forward", None)
+            module.__dict__.pop("is_skinny", None)
 
     def _forward_hidden(self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor, step: FlexStep) -> torch.Tensor:
         """Walks the decoder layers. Returns the final-normed hidden states [B, S, hidden]."""
@@ -1425,6 +1698,10 @@ def build_arg_parser(default_model_name: str, description: str) -> argparse.Argu
     p.add_argument("--capture_cudagraph", action="store_true", help="decode through CUDA graphs, one per batch bucket")
     p.add_argument("--compile_decode", action="store_true", help="torch.compile the whole decode step once for all batch buckets (fuses norms, RoPE, residuals)")
     p.add_argument("--fuse_projections", action="store_true", help="one GEMM for q/k/v and one for gate/up per layer (weights become views of the fused ones)")
+    p.add_argument(
+        "--no_skinny_gemms", dest="skinny_gemms", action="store_false",
+        help="cuBLAS for every GEMM; by default decode's few-row GEMMs race a Triton kernel against cuBLAS per weight shape on the GPU and keep the faster",
+    )  # fmt: skip
     p.add_argument("--lora_adapter", default=None, help="PEFT LoRA adapter folder, merged with the double-copy refresh")
     p.add_argument("--no_merge_lora", action="store_true", help="keep the PEFT wrapper unmerged (adapter computed every forward)")
     p.add_argument("--load_in_4bit", action="store_true", help="quantise to bitsandbytes NF4 while loading (CUDA only)")
@@ -1674,6 +1951,7 @@ def run_cli(args, engine_class=None, load_model=None, default_chat_template: str
         peft_model=peft_model,
         compile_decode=args.compile_decode,
         fuse_projections=args.fuse_projections,
+        skinny_gemms=args.skinny_gemms,
     )
     drift = None
     if args.verify_no_drift:

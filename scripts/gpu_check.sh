@@ -8,6 +8,8 @@
 # bench:   the CLIs on tiny checkpoints (CUDA graphs, LoRA + drift check, 4-bit) and a dummy Qwen3-4B
 # e2b:     the Gemma CLI on the E2B architecture (--load_format dummy, bf16), batch 64 and 1
 # profile: per-kernel GPU time of E2B decode steps and CUDA-graph replay time, batch 1 and 64
+# gemv:    few-row GEMMs on E2B's decode weight shapes, cuBLAS vs the Triton GEMV configs and
+#          skinny_linear's picks, M 1/2/8/16 (not in the default phases; estimated ~2 min)
 # The side-by-side benchmark (scripts/benchmarks/bench_rollouts.py, E2B batch 1/8/64, 512 new
 # tokens), split so that each phase fits one 10-minute device call (times estimated from the per-system
 # times measured on an H200):
@@ -71,6 +73,8 @@ run() {  # run NAME CMD...: logs the command, its status and its time
         run gemma4_e2b_b64_eager $PY gemma4_flex_inference.py --load_format dummy $common \
           --n_prompts 64 --max_batch_size 64 --max_seq_length 1024 --n_pages 1024 --max_new_tokens 128 --stats_path "$OUT/stats/gemma4_e2b_b64_eager.json"
         ;;
+      gemv)
+        run gemv $PY scripts/benchmarks/bench_gemv.py --out "$OUT/gemv.json" ;;
       profile)
         run profile_decode $PY scripts/benchmarks/profile_decode.py --batch_sizes 1 64 --out "$OUT/profile_decode.json" ;;
       rollouts)

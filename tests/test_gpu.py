@@ -1,5 +1,6 @@
-"""GPU-only checks (skipped without CUDA): exact float32 tokens eager and under CUDA graphs, and
-bf16 Gemma-4-E2B-shaped decode where eager and graph decode must agree. Run by scripts/gpu_check.sh."""
+"""GPU-only checks (skipped without CUDA): exact float32 tokens eager and under CUDA graphs,
+bf16 Gemma-4-E2B-shaped decode where eager and graph decode must agree, and the skinny decode GEMM
+(every Triton config against fp64, skinny_linear's bits eager and replayed). Run by scripts/gpu_check.sh."""
 
 import json
 
@@ -76,3 +77,39 @@ def test_bf16_dummy_model_eager_and_graph_decode_agree(preset, batch_size):
     graph = [s.output_ids for s in engine.generate([Sequence(input_ids=ids) for ids in prompts], capture_cudagraph=True)]
     assert all(len(o) == 64 for o in eager)
     assert eager == graph
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_skinny_gemv_configs_match_fp64_and_skinny_linear_is_deterministic_under_cuda_graphs(dtype):
+    """Every Triton GEMV config compiles and matches an fp64 reference (in float32 a config may
+    only fail for lack of shared memory); skinny_linear then races, and gives the same bits on
+    every call and replayed from a CUDA graph."""
+    from triton.runtime.errors import OutOfResources
+
+    from qwen3_flex_inference import SKINNY_CHOICES, SKINNY_CONFIGS, skinny_linear, skinny_matmul_triton, skinny_rows_bucket
+
+    max_rel_err = 1e-2 if dtype == torch.bfloat16 else 1e-5  # ||out - ref|| / ||ref||
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    # E2B's qkv (sliding), o (sliding), PLE gate and projection; and one off every block size.
+    for N, K in [(2560, 1536), (1536, 2048), (256, 1536), (1536, 256), (40, 96)]:
+        w_NK = (torch.randn(N, K, device="cuda", generator=generator) / K**0.5).to(dtype)
+        for M in (1, 3, 16):
+            x_M1K = torch.randn(M, 1, K, device="cuda", generator=generator).to(dtype)
+            ref_M1N = x_M1K.double() @ w_NK.double().T
+            for idx, config in enumerate(SKINNY_CONFIGS):
+                try:
+                    out_MN = skinny_matmul_triton(x_M1K.reshape(M, K), w_NK, config)
+                except OutOfResources:
+                    assert dtype == torch.float32, f"{idx=} {config=} ran out of resources in {dtype}"
+                    continue
+                rel_err = ((out_MN.double().reshape(ref_M1N.shape) - ref_M1N).norm() / ref_M1N.norm()).item()
+                assert rel_err < max_rel_err, f"{N=} {K=} {M=} {idx=} {config=} {rel_err=}"
+            got_M1N = skinny_linear(x_M1K, w_NK)
+            choice = SKINNY_CHOICES[(N, K, str(dtype).removeprefix("torch."), skinny_rows_bucket(M))]
+            assert torch.equal(skinny_linear(x_M1K, w_NK), got_M1N), f"{N=} {K=} {M=} {choice=}"
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                static_M1N = skinny_linear(x_M1K, w_NK)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(static_M1N, got_M1N), f"{N=} {K=} {M=} {choice=}"

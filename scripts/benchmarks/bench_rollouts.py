@@ -2,7 +2,8 @@
 
 Systems: `engine_eager`, `engine_graph`, `engine_compiled_graph` and `engine_fused_compiled_graph`
 (this engine: eager decode, CUDA-graph decode, a torch.compile'd decode step captured in CUDA
-graphs, and that with q/k/v and gate/up fused into one GEMM each),
+graphs, and that with q/k/v and gate/up fused into one GEMM each; every one with the skinny
+GEMMs, `skinny_linear`), `engine_fused_compiled_graph_cublas` (the last with cuBLAS for every GEMM),
 `hf_dynamic` (generate, dynamic cache), `hf_static_compile` (generate, static cache,
 torch.compile), `hf_cb` (generate_batch continuous batching, where the installed transformers has
 it; an error is recorded when it refuses the model). Workload: a `--load_format dummy` model from
@@ -27,10 +28,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from qwen3_flex_inference import FlexInference, Sequence  # noqa: E402
+from qwen3_flex_inference import SKINNY_CHOICES, FlexInference, Sequence  # noqa: E402
 from scripts.benchmarks.profile_decode import decode_kernel_table  # noqa: E402
 
-SYSTEMS = ["engine_eager", "engine_graph", "engine_compiled_graph", "engine_fused_compiled_graph", "hf_dynamic", "hf_static_compile", "hf_cb"]
+SYSTEMS = [
+    "engine_eager", "engine_graph", "engine_compiled_graph", "engine_fused_compiled_graph", "engine_fused_compiled_graph_cublas",
+    "hf_dynamic", "hf_static_compile", "hf_cb",
+]  # fmt: skip
 
 
 def copy_bandwidth_gbs(device) -> float:
@@ -243,10 +247,12 @@ def main() -> int:
                 use_graph = system != "engine_eager"
                 if use_graph and device.type != "cuda":
                     continue
-                options = dict(compile_decode="compiled" in system, fuse_projections="fused" in system)
+                options = dict(compile_decode="compiled" in system, fuse_projections="fused" in system, skinny_gemms="cublas" not in system)
                 result, engine = run_engine(model, prompts, args.new_tokens, use_graph, **options)
                 if args.profile and device.type == "cuda":  # the same kernels as the graph replays
                     result["top_kernels"], result["kernel_classes"] = decode_kernel_table(engine, prompts, num_steps=8, top=40)
+                if options["skinny_gemms"]:  # which backend each (N, K, dtype, row bucket) raced to
+                    result["skinny_choices"] = {" ".join(map(str, key)): choice["winner"] for key, choice in SKINNY_CHOICES.items()}
                 kv_bytes = kv_bytes_per_step(engine, batch_size, args.prompt_len, args.new_tokens)
                 engine.restore_model()
                 del engine

@@ -1,0 +1,69 @@
+"""Run by tests/test_skinny_linear.py in a subprocess with TRITON_INTERPRET=1 (it must be set
+before triton is imported): skinny_matmul_triton with every SkinnyConfig on CPU tensors, against
+an fp64 reference, over row counts, shapes that are and are not multiples of the block sizes, and
+float32 / bfloat16.
+
+    TRITON_INTERPRET=1 python tests/skinny_kernel_check.py
+
+Prints one JSON list: per case {"config", "M", "N", "K", "dtype", "rel_err"} with
+rel_err = ||out - ref|| / ||ref||, or {..., "error"} where the launch raised.
+"""
+
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import triton.language as tl
+from triton.runtime import interpreter
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from qwen3_flex_inference import SKINNY_CONFIGS, skinny_matmul_triton  # noqa: E402
+
+ROWS = (1, 3, 16, 33)  # BLOCK_M 16 (one row, odd rows, full) and 64
+SHAPES_NK = ((40, 96), (40, 1536), (256, 96), (256, 1536))
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def interpret_bf16_dot_in_fp32() -> None:
+    """NOTE: triton's interpreter (3.9) holds bfloat16 as uint16 bit patterns and its tl.dot feeds
+    them to np.matmul as integers. Widen bf16 operands to fp32 first: products of two bf16 values
+    are exact in fp32, as in the GPU's bf16 MMA with fp32 accumulation."""
+    create_dot = interpreter.InterpreterBuilder.create_dot
+
+    def widen(handle):
+        if handle.dtype.scalar != tl.bfloat16 or handle.data.dtype != np.uint16:
+            return handle
+        return interpreter.TensorHandle((handle.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+
+    def create_dot_widened(self, a, b, *args):
+        return create_dot(self, widen(a), widen(b), *args)
+
+    interpreter.InterpreterBuilder.create_dot = create_dot_widened
+
+
+def main() -> None:
+    interpret_bf16_dot_in_fp32()
+    generator = torch.Generator().manual_seed(0)
+    results = []
+    for (idx, config), M, (N, K), dtype in itertools.product(enumerate(SKINNY_CONFIGS), ROWS, SHAPES_NK, DTYPES):
+        x_MK = torch.randn(M, K, generator=generator).to(dtype)
+        w_NK = torch.randn(N, K, generator=generator).to(dtype)
+        ref_MN = x_MK.double() @ w_NK.double().T
+        case = {"config": idx, "M": M, "N": N, "K": K, "dtype": str(dtype).removeprefix("torch.")}
+        try:
+            out_MN = skinny_matmul_triton(x_MK, w_NK, config)
+        except Exception as error:  # reported per case, so one failure does not hide the others
+            results.append({**case, "error": f"{type(error).__name__}: {error}"})
+            continue
+        assert out_MN.dtype == dtype and out_MN.shape == (M, N), f"{case=} {out_MN.dtype=} {out_MN.shape=}"
+        results.append({**case, "rel_err": ((out_MN.double() - ref_MN).norm() / ref_MN.norm()).item()})
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

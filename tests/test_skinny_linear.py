@@ -1,0 +1,63 @@
+"""The skinny decode GEMM: the Triton kernel of every config against an fp64 reference (triton's
+CPU interpreter, in a subprocess), and the skinny_linear op's CPU fallback, eager and inside a
+torch.compile(fullgraph=True) graph with a symbolic batch. The race against cuBLAS and the speed
+are GPU matters: scripts/benchmarks/bench_gemv.py.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from qwen3_flex_inference import SKINNY_CHOICES, SKINNY_CONFIGS, SKINNY_MAX_ROWS, skinny_linear
+
+ROOT = Path(__file__).resolve().parents[1]
+# ||out - ref|| / ||ref|| against x.double() @ w.double().T; bf16 outputs are rounded to 8 bits.
+MAX_REL_ERR = {"float32": 1e-5, "bfloat16": 1e-2}
+
+
+def test_triton_kernel_of_every_config_matches_fp64_reference_in_interpreter():
+    pytest.importorskip("triton", reason="triton is not installed: the kernel test needs its CPU interpreter")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, str(ROOT / "tests/skinny_kernel_check.py")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    cases = json.loads(run.stdout)
+    assert {case["config"] for case in cases} == set(range(len(SKINNY_CONFIGS))), f"{len(cases)=}"
+    for case in cases:
+        assert "error" not in case, f"{case=}"
+        assert case["rel_err"] < MAX_REL_ERR[case["dtype"]], f"{case=}"
+
+
+@pytest.mark.parametrize("x_shape", [(1, 64), (3, 1, 64), (SKINNY_MAX_ROWS, 64), (SKINNY_MAX_ROWS + 1, 64), (2, 5, 64)])
+def test_skinny_linear_on_cpu_is_bitwise_f_linear(x_shape):
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(x_shape, generator=generator)
+    weight = torch.randn(48, 64, generator=generator)
+    choices_before = dict(SKINNY_CHOICES)
+    got = skinny_linear(x, weight)
+    want = torch.nn.functional.linear(x, weight)
+    assert got.shape == want.shape and torch.equal(got, want), f"{x_shape=} {(got - want).abs().max()=}"
+    assert SKINNY_CHOICES == choices_before, f"the CPU fallback raced backends: {SKINNY_CHOICES=}"
+
+
+def test_skinny_linear_in_compiled_graph_with_symbolic_batch_is_f_linear_and_compiled_once():
+    from conftest import compiled_variants
+
+    def project(hidden_B1K, weight):
+        return skinny_linear(hidden_B1K, weight)
+
+    compiled = torch.compile(project, fullgraph=True)
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randn(40, 96, generator=generator)
+    compiled_before = compiled_variants(project)
+    for batch in (3, 8, 5):
+        hidden_B1K = torch.randn(batch, 1, 96, generator=generator)
+        torch._dynamo.mark_dynamic(hidden_B1K, 0)
+        got = compiled(hidden_B1K, weight)
+        want = torch.nn.functional.linear(hidden_B1K, weight)
+        assert got.shape == want.shape and torch.equal(got, want), f"{batch=} {(got - want).abs().max()=}"
+    assert compiled_variants(project) - compiled_before == 1, "the graph was recompiled for another batch size"
