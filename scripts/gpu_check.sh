@@ -9,11 +9,13 @@
 # e2b:     the Gemma CLI on the E2B architecture (--load_format dummy, bf16), batch 64 and 1
 # profile: per-kernel GPU time of E2B decode steps and CUDA-graph replay time, batch 1 and 64
 # gemv:    few-row GEMMs on E2B's decode weight shapes, cuBLAS vs the Triton GEMV configs and
-#          skinny_linear's picks, M 1/2/8/16 (not in the default phases; estimated ~2 min)
+#          skinny_linear's picks, M 1/2/8/64 (not in the default phases; estimated ~3 min)
+# flex_decode: the decode half of the kernel-option sweep, batch 1/8/64, partial vs full blocks (~3 min)
 # The side-by-side benchmark (scripts/benchmarks/bench_rollouts.py, E2B batch 1/8/64, 512 new
 # tokens), split so that each phase fits one 10-minute device call (times estimated from the per-system
 # times measured on an H200):
 # rollouts:            this engine, CUDA graphs and compiled + fused step, with kernel profiles (~6 min)
+# rollouts_quick:      the compiled + fused step alone, batch 64 and 1, with kernel profiles (~4 min)
 # rollouts_ablation:   this engine, eager decode and the compiled step without fused projections (~7 min)
 # rollouts_qwen3:      the Qwen3-4B-shaped row, batch 64 (~4 min)
 # rollouts_hf:         HF generate with the dynamic cache, and generate_batch (~5 min)
@@ -73,6 +75,11 @@ run() {  # run NAME CMD...: logs the command, its status and its time
         run gemma4_e2b_b64_eager $PY gemma4_flex_inference.py --load_format dummy $common \
           --n_prompts 64 --max_batch_size 64 --max_seq_length 1024 --n_pages 1024 --max_new_tokens 128 --stats_path "$OUT/stats/gemma4_e2b_b64_eager.json"
         ;;
+      flex_decode)
+        run flex_decode_options $PY scripts/benchmarks/flex_kernel_options.py --skip_prefill --out "$OUT/flex_decode_options.json" ;;
+      rollouts_quick)
+        run rollouts_quick $PY scripts/benchmarks/bench_rollouts.py --batch_sizes 64 1 --systems engine_fused_compiled_graph \
+          --profile --out "$OUT/rollouts_quick.json" ;;
       gemv)
         run gemv $PY scripts/benchmarks/bench_gemv.py --out "$OUT/gemv.json" ;;
       profile)

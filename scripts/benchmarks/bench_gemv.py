@@ -10,7 +10,7 @@ of one. Median over replays; us per call and achieved TB/s (weight bytes / time)
 with one E2B decode step's GEMM time (the per-step use counts below): cuBLAS only, the best
 backend per shape, and the op's picks.
 
-    python scripts/benchmarks/bench_gemv.py --num_rows 1 2 8 16 --out gemv.json
+    python scripts/benchmarks/bench_gemv.py --num_rows 1 2 8 64 --out gemv.json
 """
 
 import argparse
@@ -162,7 +162,7 @@ def summarize(rows: list[dict], num_rows: list[int]) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num_rows", type=int, nargs="+", default=[1, 2, 8, 16], help="decode rows M to measure (each <= 16)")
+    parser.add_argument("--num_rows", type=int, nargs="+", default=[1, 2, 8, 64], help="decode rows M to measure (each <= SKINNY_MAX_ROWS, 64)")
     parser.add_argument("--shapes", nargs="+", default=list(E2B_SHAPES), choices=list(E2B_SHAPES), help="which E2B weight shapes")
     parser.add_argument("--rotate_mb", type=float, default=200.0, help="weight copies per shape total at least this many MiB (L2 is 50 MB)")
     parser.add_argument("--min_calls", type=int, default=20, help="calls captured per CUDA graph, at least (more where there are more copies)")
