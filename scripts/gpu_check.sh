@@ -9,7 +9,7 @@
 # e2b:     the Gemma CLI on the E2B architecture (--load_format dummy, bf16), batch 64 and 1
 # profile: per-kernel GPU time of E2B decode steps and CUDA-graph replay time, batch 1 and 64
 # gemv:    few-row GEMMs on E2B's decode weight shapes, cuBLAS vs the Triton GEMV configs and
-#          skinny_linear's picks, M 1/2/8/64 (not in the default phases; estimated ~3 min)
+#          skinny_linear's picks, M 1/2/8/16 (not in the default phases; 24 s on an H200)
 # flex_decode: the decode half of the kernel-option sweep, batch 1/8/64, partial vs full blocks (~3 min)
 # The side-by-side benchmark (scripts/benchmarks/bench_rollouts.py, E2B batch 1/8/64, 512 new
 # tokens), split so that each phase fits one 10-minute device call (times estimated from the per-system

@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from qwen3_flex_inference import SKINNY_CONFIGS, skinny_matmul_triton  # noqa: E402
 
-ROWS = (1, 3, 16, 33)  # BLOCK_M 16 (one row, odd rows, full) and 64
+ROWS = (1, 2, 3, 8, 16)
 SHAPES_NK = ((40, 96), (40, 1536), (256, 96), (256, 1536))
 DTYPES = (torch.float32, torch.bfloat16)
 

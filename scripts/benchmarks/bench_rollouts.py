@@ -104,7 +104,8 @@ def make_engine(model, batch_size, prompt_len, new_tokens, **options):
         engine_class = FlexInference
     page_size = 128 if model.device.type == "cuda" else 16
     max_seq_length = -(-max_seq_length // page_size) * page_size
-    n_pages = batch_size * (max_seq_length // page_size) + 1
+    # A pool of at least 1024 pages, as the CLI runs use: each row's pages lie scattered in it.
+    n_pages = max(batch_size * (max_seq_length // page_size) + 1, 1024 if model.device.type == "cuda" else 0)
     engine = engine_class(
         model, None, max_batch_size=batch_size, max_seq_length=max_seq_length, n_pages=n_pages, page_size=page_size,
         max_new_tokens=new_tokens, **options,

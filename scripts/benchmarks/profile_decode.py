@@ -35,7 +35,7 @@ def build(preset: str, max_batch_size: int, **options):
 
 
 KERNEL_CLASSES = [  # (class, substrings of the kernel name), first match wins
-    ("GEMM (skinny_linear, Triton)", ("skinny",)),
+    ("GEMM (skinny_linear, Triton)", ("_skinny_matmul", "_skinny_split_k")),  # not inductor's kernels fused around the op
     ("flex attention", ("flex", "triton_tem")),
     ("GEMM", ("gemm", "gemv", "nvjet", "cutlass", "sm90_", "splitk")),
     ("copy / cast", ("copy", "memcpy", "memset", "cat", "to_copy", "Memcpy", "Memset")),
