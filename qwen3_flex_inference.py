@@ -854,6 +854,20 @@ class Sequence:
         return len(self.input_ids) + len(self.output_ids)
 
 
+def greedy_tokens(logits_BV: torch.Tensor) -> torch.Tensor:
+    """logits_BV.argmax(-1), the first index of each row's maximum, in two stages: the maximum of
+    each of C chunks of the vocabulary, then of the chunks.
+
+    NOTE: one reduction over a 262,144-entry row runs as one program per row: 80 us a step at
+    batch 1 on an H200. C chunks per row give the compiled step C times the programs.
+    """
+    B, V = logits_BV.shape
+    num_chunks = min(V & -V, 256)  # the largest power of two up to 256 that divides V
+    chunk_max_BC, chunk_argmax_BC = logits_BV.view(B, num_chunks, V // num_chunks).max(-1)
+    best_chunk_B = chunk_max_BC.argmax(-1)  # the first chunk holding the row's maximum
+    return best_chunk_B * (V // num_chunks) + chunk_argmax_BC.gather(1, best_chunk_B[:, None]).squeeze(1)
+
+
 @dataclass
 class DecodeLaunch:
     """A decode step queued on the device; `read()` waits for its sampled tokens."""
@@ -1171,7 +1185,7 @@ class FlexInference:
         step = FlexStep(False, block_masks, physical_slots, self.kv_caches, self.step_kernel_options[False])
         hidden_B1E = self._forward_hidden(input_ids_B[:, None], input_pos_B[:, None], step)
         logits_BV = self._logits(hidden_B1E[:, -1])
-        return logits_BV.argmax(-1), logits_BV
+        return greedy_tokens(logits_BV), logits_BV
 
     def _launch_decode(self, rows: list[Sequence], use_graph: bool, previous: "DecodeLaunch | None" = None) -> "DecodeLaunch":
         """Queues one decode step for `rows` and returns without waiting for it.

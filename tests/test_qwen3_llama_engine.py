@@ -191,3 +191,17 @@ def test_an_error_mid_generate_leaves_no_slot_or_page_held(case):
     assert table.num_used_pages == 0 and len(table.free_batch_idx) == table.max_batch_size - 1
     engine._launch_decode = launch_decode
     assert generate(engine, case["prompts"]) == case["want"]
+
+
+@pytest.mark.parametrize("vocab_size", [448, 151936, 262144])
+def test_greedy_tokens_equal_argmax_with_ties_eager_and_compiled(vocab_size):
+    from qwen3_flex_inference import greedy_tokens
+
+    generator = torch.Generator().manual_seed(vocab_size)
+    logits_BV = torch.randn(5, vocab_size, generator=generator)
+    logits_BV[1, [7, vocab_size // 2, vocab_size - 1]] = 100.0  # a tie across chunks: the first wins
+    logits_BV[2, [3, 4]] = 100.0  # a tie inside one chunk
+    logits_BV[3, -1] = 100.0  # the very last entry
+    want = logits_BV.argmax(-1)
+    assert torch.equal(greedy_tokens(logits_BV), want)
+    assert torch.equal(torch.compile(greedy_tokens, fullgraph=True, dynamic=False)(logits_BV), want)
