@@ -16,6 +16,7 @@
 # times measured on an H200):
 # rollouts:            this engine, CUDA graphs and compiled + fused step, with kernel profiles (~6 min)
 # rollouts_quick:      the compiled + fused step alone, batch 64 and 1, with kernel profiles (~4 min)
+# rollouts_rest:       its batch-8 row, batch 1 with cuBLAS for every GEMM, HF (dynamic cache, generate_batch) at 64 and 1 (~6 min)
 # rollouts_ablation:   this engine, eager decode and the compiled step without fused projections (~7 min)
 # rollouts_qwen3:      the Qwen3-4B-shaped row, batch 64 (~4 min)
 # rollouts_hf:         HF generate with the dynamic cache, and generate_batch (~5 min)
@@ -80,6 +81,11 @@ run() {  # run NAME CMD...: logs the command, its status and its time
       rollouts_quick)
         run rollouts_quick $PY scripts/benchmarks/bench_rollouts.py --batch_sizes 64 1 --systems engine_fused_compiled_graph \
           --profile --out "$OUT/rollouts_quick.json" ;;
+      rollouts_rest)
+        run rollouts_b8 $PY scripts/benchmarks/bench_rollouts.py --batch_sizes 8 --systems engine_fused_compiled_graph --out "$OUT/rollouts_b8.json"
+        run rollouts_cublas_b1 $PY scripts/benchmarks/bench_rollouts.py --batch_sizes 1 --systems engine_fused_compiled_graph_cublas \
+          --out "$OUT/rollouts_cublas_b1.json"
+        run rollouts_hf_quick $PY scripts/benchmarks/bench_rollouts.py --batch_sizes 64 1 --systems hf_cb hf_dynamic --out "$OUT/rollouts_hf.json" ;;
       gemv)
         run gemv $PY scripts/benchmarks/bench_gemv.py --out "$OUT/gemv.json" ;;
       profile)
