@@ -311,8 +311,10 @@ def visible_logical_blocks(input_pos_B: torch.Tensor, page_size: int, sliding_wi
     blocks. The mask_mod is exact either way.
     """
     last_block_B = input_pos_B // page_size
-    first_pos_B = input_pos_B if sliding_window is None else (input_pos_B - sliding_window + 1).clamp(min=0)
-    first_block_B = first_pos_B // page_size if sliding_window is not None else torch.zeros_like(last_block_B)
+    if sliding_window is None:
+        first_block_B = torch.zeros_like(last_block_B)
+    else:
+        first_block_B = (input_pos_B - sliding_window + 1).clamp(min=0) // page_size
     B = input_pos_B.shape[0]
     kv_num_blocks = (last_block_B - first_block_B + 1).to(torch.int32).view(B, 1, 1)
     logical_BL = first_block_B[:, None] + torch.arange(max_logical_blocks, device=input_pos_B.device)
@@ -1187,7 +1189,7 @@ class FlexInference:
         logits_BV = self._logits(hidden_B1E[:, -1])
         return greedy_tokens(logits_BV), logits_BV
 
-    def _launch_decode(self, rows: list[Sequence], use_graph: bool, previous: "DecodeLaunch | None" = None) -> "DecodeLaunch":
+    def _launch_decode(self, rows: list[Sequence], use_graph: bool, previous: DecodeLaunch | None = None) -> DecodeLaunch:
         """Queues one decode step for `rows` and returns without waiting for it.
 
         Fresh steps take their inputs from the host bookkeeping. A chained step (`previous`, the
@@ -1226,7 +1228,7 @@ class FlexInference:
         logits_BV = logits[:B].clone() if any(seq.record_logits for seq in rows) else None
         return DecodeLaunch(rows, next_ids, host_ids, is_done, logits_BV)
 
-    def _can_chain(self, launch: "DecodeLaunch", waiting: deque) -> bool:
+    def _can_chain(self, launch: DecodeLaunch, waiting: deque) -> bool:
         """Whether the next step can be queued before `launch`'s tokens are read: the same rows
         go on, as no row has finished, none reaches its length limit with `launch`'s token, every
         row's next position fits its pages, and no waiting sequence could be admitted instead."""
