@@ -1,22 +1,23 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks in one call; everything lands under $OUT (default: ./out).
-#   scripts/gpu_check.sh [kernels] [tests] [bench] [e2b] [profile] [rollouts...] [multi_gpu]
+#   scripts/gpu_check.sh [kernels] [tests] [bench] [e2b] [profile] [gemv] [flex_decode] [rollouts...] [multi_gpu]
 #   (no argument: kernels tests bench e2b profile; each phase must fit the 10-minute limit of one
 #   device call, so call it with one or two phases at a time)
 # kernels: which flex_attention kernel options work at head_dim 256/512 (prefill and decode)
-# tests:   tests/test_gpu.py (float32 tokens = HF eager and with CUDA graphs; bf16 eager = graph)
+# tests:   tests/test_gpu.py (float32 tokens = HF eager, with CUDA graphs and compiled + fused; bf16
+#          eager = graph; every Triton GEMM config against fp64; ~4 min on an H200)
 # bench:   the CLIs on tiny checkpoints (CUDA graphs, LoRA + drift check, 4-bit) and a dummy Qwen3-4B
 # e2b:     the Gemma CLI on the E2B architecture (--load_format dummy, bf16), batch 64 and 1
 # profile: per-kernel GPU time of E2B decode steps and CUDA-graph replay time, batch 1 and 64
 # gemv:    few-row GEMMs on E2B's decode weight shapes, cuBLAS vs the Triton GEMV configs and
 #          skinny_linear's picks, M 1/2/8/16 (not in the default phases; 24 s on an H200)
-# flex_decode: the decode half of the kernel-option sweep, batch 1/8/64, partial vs full blocks (~3 min)
+# flex_decode: the decode half of the kernel-option sweep, batch 1/8/64, partial vs full blocks (2.75 min)
 # The side-by-side benchmark (scripts/benchmarks/bench_rollouts.py, E2B batch 1/8/64, 512 new
 # tokens), split so that each phase fits one 10-minute device call (times estimated from the per-system
 # times measured on an H200):
 # rollouts:            this engine, CUDA graphs and compiled + fused step, with kernel profiles (~6 min)
-# rollouts_quick:      the compiled + fused step alone, batch 64 and 1, with kernel profiles (~4 min)
-# rollouts_rest:       its batch-8 row, batch 1 with cuBLAS for every GEMM, HF (dynamic cache, generate_batch) at 64 and 1 (~6 min)
+# rollouts_quick:      the compiled + fused step alone, batch 64 and 1, with kernel profiles (3.5 min)
+# rollouts_rest:       its batch-8 row, batch 1 with cuBLAS for every GEMM, HF (dynamic cache, generate_batch) at 64 and 1 (5 min)
 # rollouts_ablation:   this engine, eager decode and the compiled step without fused projections (~7 min)
 # rollouts_qwen3:      the Qwen3-4B-shaped row, batch 64 (~4 min)
 # rollouts_hf:         HF generate with the dynamic cache, and generate_batch (~5 min)
