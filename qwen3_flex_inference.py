@@ -495,8 +495,8 @@ class FlexStep:
         if not self.is_prefill:
             mask = self.block_masks[regime]
             return paged_decode_attention(
-                q, cache.k_cache, cache.v_cache, mask.kv_num_blocks, mask.kv_indices, mask.input_pos_B, mask.batch_idx_B, mask.physical_to_logical, mask.page_size, mask.sliding_window,
-                float(module.scaling), kernel_options,
+                q, cache.k_cache, cache.v_cache, mask.kv_num_blocks, mask.kv_indices, mask.input_pos_B, mask.batch_idx_B,
+                mask.physical_to_logical, mask.page_size, mask.sliding_window, float(module.scaling), kernel_options,
             )
         k, v = self.packed_kv[cache_layer_idx]
         # NOTE: automatic dynamic shapes would make a dimension symbolic once a second value is
@@ -1236,7 +1236,7 @@ class FlexInference:
             if seq.finished or len(seq.output_ids) + 1 >= seq.max_new_tokens or seq.seq_len + 1 >= self.max_seq_length:
                 return False
             # the chained step writes the K/V of the token `launch` samples, at position seq_len
-            if seq.seq_len >= self.holds_until[seq.batch_idx]:
+            if not self._pages_fit(seq, seq.seq_len):
                 return False
         return not (waiting and self.page_table.can_allocate() and self._can_hold(waiting[0]))
 
@@ -1308,6 +1308,10 @@ class FlexInference:
             if window is not None:  # the next page to fall out of the window
                 holds_until = min(holds_until, (first_needed_pos // self.page_size + 1) * self.page_size + window - 1)
         self.holds_until[seq.batch_idx] = holds_until
+
+    def _pages_fit(self, seq: Sequence, query_pos: int) -> bool:
+        """Whether the pages `seq` holds already serve a query at `query_pos` (no page to add or recycle)."""
+        return query_pos < self.holds_until[seq.batch_idx]
 
     def _admit(self, seq: Sequence) -> None:
         seq.batch_idx = self.page_table.allocate()
@@ -1444,7 +1448,7 @@ class FlexInference:
             seq = running[i]
             # The next step writes the K/V of the last token, at position seq_len - 1; most steps
             # cross no page boundary, so the pages held already fit.
-            if seq.seq_len - 1 < self.holds_until[seq.batch_idx]:
+            if self._pages_fit(seq, seq.seq_len - 1):
                 i += 1
                 continue
             if self._can_hold(seq, seq.seq_len - 1):
