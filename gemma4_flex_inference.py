@@ -104,7 +104,7 @@ def kv_store_layers(config) -> list[int]:
 # ---------------------------------------------------------------------------------------------
 
 
-def gemma4_attention_forward(self, hidden_states, position_embeddings, attention_mask=None, flex_step=None, **kwargs):
+def gemma4_attention_forward(self, hidden_states, position_embeddings, attention_mask=None, layer_step=None, **kwargs):
     """Replaces Gemma4TextAttention.forward: HF's projections and norms, paged flex attention."""
     input_shape = hidden_states.shape[:-1]  # [B, S]
     hidden_shape = (*input_shape, -1, self.head_dim)
@@ -117,7 +117,7 @@ def gemma4_attention_forward(self, hidden_states, position_embeddings, attention
         v = projections[2] if len(projections) == 3 else k  # attention_k_eq_v: values are the raw keys
         k = _apply_rotary(self.k_norm(k).transpose(1, 2), cos, sin)  # [B, H_kv, S, D]
         v = self.v_norm(v).transpose(1, 2)
-    attn_output = flex_step.attend(self, q, k, v, self.kv_cache_layer_idx, self.layer_type)
+    attn_output = layer_step.attend(self, q, k, v)
     attn_output = attn_output.transpose(1, 2).reshape(*input_shape, -1)
     return self.o_proj(attn_output), None
 
@@ -156,48 +156,46 @@ class FlexGemma4Inference(FlexInference):
             attn.kv_cache_layer_idx = cache_layer_idx
             attn.forward = gemma4_attention_forward.__get__(attn)
 
-    def _forward_hidden(self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor, step: FlexStep) -> torch.Tensor:
-        return self._walk(input_ids_BS, position_ids_BS, step)
-
-    def _prefill_hidden(self, input_ids_1T, position_ids_1T, step: FlexStep, last_positions_N) -> torch.Tensor:
-        """Prefill shortcut: KV-shared layers write no K/V, so past the last store layer only each
-        prompt's last position goes on; its queries still see the store layers' packed K/V."""
-        if not self.use_prefill_shortcut:
-            return super()._prefill_hidden(input_ids_1T, position_ids_1T, step, last_positions_N)
-        return self._walk(input_ids_1T, position_ids_1T, step, last_positions_N)
-
-    def _walk(self, input_ids_BS, position_ids_BS, step: FlexStep, last_positions_N=None) -> torch.Tensor:
-        """Embeddings (scaled) and PLE, then every decoder layer with its PLE slice and regime's RoPE.
-
-        With `last_positions_N` (prefill), the rows are cut to those positions before the first
-        KV-shared layer, and the block masks to those query rows.
-        """
+    def _embed(self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """Embeddings (scaled) [B, S, hidden]; the layer inputs: PLE [B, S, layers, ple_dim] and
+        each regime's RoPE cos/sin."""
         decoder = self.decoder
         hidden_BSE = decoder.embed_tokens(input_ids_BS)
         per_layer_inputs_BSLP = None
         if decoder.hidden_size_per_layer_input:
             per_layer_inputs_BSLP = decoder.project_per_layer_inputs(hidden_BSE, decoder.get_per_layer_inputs(input_ids_BS, None))
         position_embeddings = {t: decoder.rotary_emb(hidden_BSE, position_ids_BS, t) for t in self.attention_regimes}
-        for layer_idx, layer in enumerate(decoder.layers):
-            if layer_idx == self.first_kv_shared_layer_idx and last_positions_N is not None:
-                hidden_BSE = hidden_BSE[:, last_positions_N]
-                if per_layer_inputs_BSLP is not None:
-                    per_layer_inputs_BSLP = per_layer_inputs_BSLP[:, last_positions_N]
-                position_embeddings = {t: (cos[:, last_positions_N], sin[:, last_positions_N]) for t, (cos, sin) in position_embeddings.items()}
-                step.block_masks = self._last_position_masks(step, last_positions_N)
-                last_positions_N = None
-            layer_type = self.config.layer_types[layer_idx]
-            per_layer_input = per_layer_inputs_BSLP[:, :, layer_idx] if per_layer_inputs_BSLP is not None else None
-            hidden_BSE = layer(
-                hidden_BSE,
-                per_layer_input,
-                position_embeddings=position_embeddings[layer_type],
-                attention_mask=None,
-                flex_step=step,
-            )
-        if last_positions_N is not None:  # no KV-shared layers: cut at the end
-            hidden_BSE = hidden_BSE[:, last_positions_N]
-        return decoder.norm(hidden_BSE)
+        return hidden_BSE, {"per_layer_inputs": per_layer_inputs_BSLP, "position_embeddings": position_embeddings}
+
+    def _layer_kwargs(self, layer_idx: int, layer_inputs: dict, step: FlexStep) -> dict:
+        """Each layer gets its PLE slice, its regime's RoPE, and its store layer's cache."""
+        layer = self.decoder.layers[layer_idx]
+        per_layer_inputs_BSLP = layer_inputs["per_layer_inputs"]
+        return dict(
+            per_layer_input=per_layer_inputs_BSLP[:, :, layer_idx] if per_layer_inputs_BSLP is not None else None,
+            position_embeddings=layer_inputs["position_embeddings"][layer.self_attn.layer_type],
+            attention_mask=None,
+            layer_step=step.for_layer(layer.self_attn.kv_cache_layer_idx, layer.self_attn.layer_type),
+        )
+
+    def _prefill_hidden(self, input_ids_1T, position_ids_1T, step: FlexStep, last_positions_N) -> torch.Tensor:
+        """Prefill shortcut: KV-shared layers write no K/V, so past the last store layer only each
+        prompt's last position goes on; its queries still see the store layers' packed K/V."""
+        if not self.use_prefill_shortcut:
+            return super()._prefill_hidden(input_ids_1T, position_ids_1T, step, last_positions_N)
+        hidden_1TE, layer_inputs = self._embed(input_ids_1T, position_ids_1T)
+        num_layers, first_shared = len(self.decoder.layers), self.first_kv_shared_layer_idx
+        hidden_1TE = self._run_layers(hidden_1TE, layer_inputs, step, range(first_shared))
+        # The rows, their layer inputs and the block masks cut to each prompt's last position.
+        hidden_1NE = hidden_1TE[:, last_positions_N]
+        per_layer_inputs_1TLP = layer_inputs["per_layer_inputs"]
+        layer_inputs = {
+            "per_layer_inputs": per_layer_inputs_1TLP[:, last_positions_N] if per_layer_inputs_1TLP is not None else None,
+            "position_embeddings": {t: (cos[:, last_positions_N], sin[:, last_positions_N]) for t, (cos, sin) in layer_inputs["position_embeddings"].items()},
+        }
+        step.block_masks = self._last_position_masks(step, last_positions_N)
+        hidden_1NE = self._run_layers(hidden_1NE, layer_inputs, step, range(first_shared, num_layers))
+        return self.decoder.norm(hidden_1NE)
 
     def _last_position_masks(self, step: FlexStep, last_positions_N) -> dict:
         """The packed document-causal masks, restricted to each prompt's last query row."""

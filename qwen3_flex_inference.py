@@ -17,6 +17,7 @@ is Hugging Face transformers on the same weights.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -33,6 +34,7 @@ from pathlib import Path
 import torch
 import torch._dynamo
 import torch.distributed as dist
+import torch.fx.experimental._config as fx_config
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
@@ -212,24 +214,17 @@ class PageTable:
             slots.append(0 if page is None else page * self.page_size + pos % self.page_size)
         return slots
 
-    def decode_mask(self, input_pos_B: torch.Tensor, batch_idx_B: torch.Tensor, sliding_window: int | None) -> PagedDecodeMask:
+    def decode_blocks(self, input_pos_B: torch.Tensor, batch_idx_B: torch.Tensor, sliding_window: int | None) -> tuple:
         """Each decode row's visible logical blocks (`visible_logical_blocks`) mapped to physical
-        pages ([B, 1, 1, n_pages]; only the first kv_num_blocks of each row are read)."""
+        pages: (kv_num_blocks [B, 1, 1], kv_indices [B, 1, 1, n_pages]; only the first
+        kv_num_blocks of each row are read), the block tensors of a PagedDecodeMask."""
         kv_num_blocks, logical_indices = visible_logical_blocks(input_pos_B, self.page_size, sliding_window, self.max_logical_blocks)
         B = input_pos_B.shape[0]
         page_table_BL = self.page_table[batch_idx_B]
         physical_BL = torch.gather(page_table_BL, 1, logical_indices.view(B, -1).long())
         # NOTE: the kernel checks kv_indices covers the whole KV length (n_pages blocks).
         physical_BP = nn.functional.pad(physical_BL, (0, self.n_pages - physical_BL.shape[1]))
-        return PagedDecodeMask(
-            kv_num_blocks,
-            physical_BP.view(B, 1, 1, self.n_pages),
-            input_pos_B,
-            batch_idx_B,
-            self.physical_to_logical,
-            self.page_size,
-            sliding_window or 0,
-        )
+        return kv_num_blocks, physical_BP.view(B, 1, 1, self.n_pages)
 
 
 class PagedKVCache:
@@ -404,6 +399,16 @@ def mark_all_static(*tensors) -> None:
                 torch._dynamo.mark_static(t, dim)
 
 
+def mark_rows_dynamic(*tensors) -> None:
+    """Lets torch.compile treat dim 0 (the decode batch) of these tensors as symbolic, so one
+    compile serves every batch bucket. Weak marks: a graph that needs a fixed size may still
+    specialise it (a no-op while tracing)."""
+    if torch.compiler.is_compiling():
+        return
+    for t in tensors:
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+
+
 @torch.library.custom_op("flex_inference::paged_decode_attention", mutates_args=())
 def paged_decode_attention(
     q: torch.Tensor,
@@ -481,24 +486,43 @@ class FlexStep:
     packed_kv: dict = field(default_factory=dict)  # prefill: cache layer -> fresh (k, v)
     document_id_T: torch.Tensor | None = None  # prefill: which sequence each packed token belongs to
 
-    def attend(self, module, q, k, v, cache_layer_idx: int, regime: str = FULL_ATTENTION) -> torch.Tensor:
-        """Writes k/v (None: reuse layer `cache_layer_idx`'s) to the cache, then flex-attends.
+    def for_layer(self, cache_layer_idx: int, regime: str = FULL_ATTENTION) -> LayerStep:
+        """The step as one layer sees it: the cache it writes or reads and its regime's mask and slots.
+
+        NOTE: picked here, outside the layer, so a compiled layer reads no layer index: dynamo
+        specialises on every int it reads, and would compile each layer on its own.
+        """
+        return LayerStep(self, cache_layer_idx, self.kv_caches[cache_layer_idx], self.block_masks[regime], self.physical_slots[regime])
+
+
+@dataclass
+class LayerStep:
+    """One layer's view of a FlexStep; the patched attention calls `attend`."""
+
+    step: FlexStep
+    cache_layer_idx: int  # keys the packed prefill K/V (decode never reads it)
+    cache: PagedKVCache
+    block_mask: BlockMask | PagedDecodeMask
+    physical_slots: torch.Tensor  # [B * S] cache row of every token
+
+    def attend(self, module, q, k, v) -> torch.Tensor:
+        """Writes k/v (None: a KV-shared layer, reusing its store layer's cache), then flex-attends.
 
         q: [B, H, S, D]; k, v: [B, H_kv, S, D]; returns [B, H, S, D].
         """
-        cache = self.kv_caches[cache_layer_idx]
+        step = self.step
         if k is not None:
-            cache.write(k, v, self.physical_slots[regime])
-            if self.is_prefill:
-                self.packed_kv[cache_layer_idx] = (k, v)
-        kernel_options = self.kernel_options[q.shape[-1]]
-        if not self.is_prefill:
-            mask = self.block_masks[regime]
+            self.cache.write(k, v, self.physical_slots)
+            if step.is_prefill:
+                step.packed_kv[self.cache_layer_idx] = (k, v)
+        kernel_options = step.kernel_options[q.shape[-1]]
+        if not step.is_prefill:
+            mask = self.block_mask
             return paged_decode_attention(
-                q, cache.k_cache, cache.v_cache, mask.kv_num_blocks, mask.kv_indices, mask.input_pos_B, mask.batch_idx_B,
+                q, self.cache.k_cache, self.cache.v_cache, mask.kv_num_blocks, mask.kv_indices, mask.input_pos_B, mask.batch_idx_B,
                 mask.physical_to_logical, mask.page_size, mask.sliding_window, float(module.scaling), kernel_options,
             )
-        k, v = self.packed_kv[cache_layer_idx]
+        k, v = step.packed_kv[self.cache_layer_idx]
         # NOTE: automatic dynamic shapes would make a dimension symbolic once a second value is
         # seen; prefill keeps only the packed length dynamic.
         if not torch.compiler.is_compiling():
@@ -506,7 +530,7 @@ class FlexStep:
                 for dim in (0, 1, 3):
                     torch._dynamo.mark_static(t, dim)
         return flex_attention_compiled(
-            q, k, v, block_mask=self.block_masks[regime], scale=module.scaling, enable_gqa=q.shape[1] != k.shape[1], kernel_options=kernel_options
+            q, k, v, block_mask=self.block_mask, scale=module.scaling, enable_gqa=q.shape[1] != k.shape[1], kernel_options=kernel_options
         )
 
 
@@ -806,7 +830,7 @@ def fused_mlp_forward(self, x):
     return self.down_proj(self.act_fn(gate) * up)
 
 
-def qwen3_llama_attention_forward(self, hidden_states, position_embeddings, attention_mask=None, flex_step=None, **kwargs):
+def qwen3_llama_attention_forward(self, hidden_states, position_embeddings, attention_mask=None, layer_step=None, **kwargs):
     """Replaces Qwen3Attention/LlamaAttention.forward: project, norm (Qwen3), RoPE, paged flex attention."""
     input_shape = hidden_states.shape[:-1]  # [B, S]
     hidden_shape = (*input_shape, -1, self.head_dim)
@@ -816,9 +840,15 @@ def qwen3_llama_attention_forward(self, hidden_states, position_embeddings, atte
     cos, sin = position_embeddings
     q = _apply_rotary(q.transpose(1, 2), cos, sin)  # [B, H, S, D]
     k = _apply_rotary(k.transpose(1, 2), cos, sin)  # [B, H_kv, S, D]
-    attn_output = flex_step.attend(self, q, k, v.transpose(1, 2), self.layer_idx)
+    attn_output = layer_step.attend(self, q, k, v.transpose(1, 2))
     attn_output = attn_output.transpose(1, 2).reshape(*input_shape, -1)
     return self.o_proj(attn_output), None
+
+
+def call_layer(layer: nn.Module, hidden_states: torch.Tensor, **layer_kwargs) -> torch.Tensor:
+    """One decoder layer (HF's own forward). With compile_decode the engine compiles this once:
+    layers of one kind (same shapes and attention regime) then share one compiled graph."""
+    return layer(hidden_states, **layer_kwargs)
 
 
 def unwrap_causal_lm(model: nn.Module) -> nn.Module:
@@ -973,13 +1003,19 @@ class FlexInference:
         # Two host buffers for sampled tokens: one being read while the next step fills the other.
         self.host_next_ids = torch.zeros(2, max_batch_size, dtype=torch.long, pin_memory=self.device.type == "cuda")
         self.num_decode_launches = 0
-        # compile_decode: the whole step (masks, layer walk, logits) is one torch.compile graph with
-        # a symbolic batch size, compiled once for every bucket, so norms, RoPE, residuals and PLE
-        # fuse; CUDA graphs then capture it per bucket.
+        # compile_decode: the decode step is compiled by regions, each with a symbolic batch size so
+        # one compile serves every bucket: the prologue (masks, cache slots, embeddings), one
+        # decoder layer, the epilogue (final norm, logits, greedy tokens). Norms, RoPE, residuals
+        # and PLE fuse inside a layer, and layers of one kind share a compiled graph (E2B has 4
+        # kinds in 35 layers): compiling the whole 35-layer step as one graph took 77 s on an H200.
+        # CUDA graphs then capture the step per bucket.
         # NOTE: torch.compile specializes a size of 1, so the compiled step's buckets start at 2 (a
         # single sequence decodes beside one padding row): one compile instead of two.
         self.compile_decode = compile_decode
-        self.decode_step = torch.compile(self._decode_step, fullgraph=True) if compile_decode else self._decode_step
+        compile_region = (lambda fn: torch.compile(fn, fullgraph=True, dynamic=False)) if compile_decode else (lambda fn: fn)
+        self.decode_prologue = compile_region(self._decode_prologue)
+        self.decode_layer = compile_region(call_layer)
+        self.decode_epilogue = compile_region(self._decode_epilogue)
         self.buckets = batch_buckets(max_batch_size, smallest=2 if compile_decode else 1)
         self.cuda_graphs: dict[int, tuple] = {}
         # holds_until[batch_idx]: the first query position at which that slot's pages no longer fit
@@ -1068,12 +1104,24 @@ class FlexInference:
             module.__dict__.pop("forward", None)
             module.__dict__.pop("is_skinny", None)
 
+    def _embed(self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """The token embeddings [B, S, hidden] and what the layers read besides (RoPE cos/sin)."""
+        hidden_BSE = self.decoder.embed_tokens(input_ids_BS)
+        return hidden_BSE, {"position_embeddings": self.decoder.rotary_emb(hidden_BSE, position_ids_BS)}
+
+    def _layer_kwargs(self, layer_idx: int, layer_inputs: dict, step: FlexStep) -> dict:
+        """Decoder layer `layer_idx`'s keyword arguments besides its hidden states."""
+        return dict(position_embeddings=layer_inputs["position_embeddings"], attention_mask=None, layer_step=step.for_layer(layer_idx))
+
+    def _run_layers(self, hidden_BSE, layer_inputs: dict, step: FlexStep, layer_indices: range, run_layer=call_layer) -> torch.Tensor:
+        for layer_idx in layer_indices:
+            hidden_BSE = run_layer(self.decoder.layers[layer_idx], hidden_BSE, **self._layer_kwargs(layer_idx, layer_inputs, step))
+        return hidden_BSE
+
     def _forward_hidden(self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor, step: FlexStep) -> torch.Tensor:
         """Walks the decoder layers. Returns the final-normed hidden states [B, S, hidden]."""
-        hidden_BSE = self.decoder.embed_tokens(input_ids_BS)
-        position_embeddings = self.decoder.rotary_emb(hidden_BSE, position_ids_BS)
-        for layer in self.decoder.layers:
-            hidden_BSE = layer(hidden_BSE, position_embeddings=position_embeddings, attention_mask=None, flex_step=step)
+        hidden_BSE, layer_inputs = self._embed(input_ids_BS, position_ids_BS)
+        hidden_BSE = self._run_layers(hidden_BSE, layer_inputs, step, range(len(self.decoder.layers)))
         return self.decoder.norm(hidden_BSE)
 
     def _logits(self, hidden_NE: torch.Tensor) -> torch.Tensor:
@@ -1172,22 +1220,56 @@ class FlexInference:
 
     # --- decode -----------------------------------------------------------------------------
 
+    def _decode_prologue(self, input_ids_B, input_pos_B, batch_idx_B) -> tuple[dict, torch.Tensor, dict]:
+        """The decode step before the layers. Returns, per regime, the rows' visible pages
+        (kv_num_blocks, kv_indices) and cache slots; the embeddings [B, 1, hidden]; the layer inputs."""
+        regime_tensors = {}
+        for regime, table in self.page_tables.items():
+            kv_num_blocks, kv_indices = table.decode_blocks(input_pos_B, batch_idx_B, self.attention_regimes[regime])
+            # page_table[batch_idx, logical_block] -> physical_page; cache row = page * page_size + offset
+            page_B = table.page_table[batch_idx_B, input_pos_B // self.page_size].long()
+            regime_tensors[regime] = (kv_num_blocks, kv_indices, page_B * self.page_size + input_pos_B % self.page_size)
+        hidden_B1E, layer_inputs = self._embed(input_ids_B[:, None], input_pos_B[:, None])
+        return regime_tensors, hidden_B1E, layer_inputs
+
+    def _decode_epilogue(self, hidden_B1E: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Final norm, logits [B, V] and greedy tokens [B]."""
+        logits_BV = self._logits(self.decoder.norm(hidden_B1E)[:, -1])
+        return greedy_tokens(logits_BV), logits_BV
+
+    def _run_decode_layer(self, layer: nn.Module, hidden_B1E: torch.Tensor, **layer_kwargs) -> torch.Tensor:
+        if self.compile_decode:
+            mark_rows_dynamic(hidden_B1E, *(t for t in torch.utils._pytree.tree_leaves(layer_kwargs) if isinstance(t, torch.Tensor)))
+        return self.decode_layer(layer, hidden_B1E, **layer_kwargs)
+
     def _decode_step(self, input_ids_B, input_pos_B, batch_idx_B) -> tuple[torch.Tensor, torch.Tensor]:
         """One token for every row: tensor ops only (no host sync), so it can be graph-captured.
 
         Returns (next_ids [B], logits [B, V]).
         """
-        mark_all_static(input_pos_B, batch_idx_B)
-        block_masks, physical_slots = {}, {}
-        for regime, table in self.page_tables.items():
-            block_masks[regime] = table.decode_mask(input_pos_B, batch_idx_B, self.attention_regimes[regime])
-            # page_table[batch_idx, logical_block] -> physical_page; cache row = page * page_size + offset
-            page_B = table.page_table[batch_idx_B, input_pos_B // self.page_size].long()
-            physical_slots[regime] = page_B * self.page_size + input_pos_B % self.page_size
-        step = FlexStep(False, block_masks, physical_slots, self.kv_caches, self.step_kernel_options[False])
-        hidden_B1E = self._forward_hidden(input_ids_B[:, None], input_pos_B[:, None], step)
-        logits_BV = self._logits(hidden_B1E[:, -1])
-        return greedy_tokens(logits_BV), logits_BV
+        # NOTE: no duck sizing while the regions compile: it makes one symbol of every two sizes
+        # that happen to be equal (a PLE slice's storage offset and a batch slot row's, say), and
+        # the next layer or bucket then fails the guard and compiles again.
+        with fx_config.patch(use_duck_shape=False) if self.compile_decode else contextlib.nullcontext():
+            mark_all_static(input_pos_B, batch_idx_B)
+            regime_tensors, hidden_B1E, layer_inputs = self.decode_prologue(input_ids_B, input_pos_B, batch_idx_B)
+            block_masks, physical_slots = {}, {}
+            for regime, (kv_num_blocks, kv_indices, slots_B) in regime_tensors.items():
+                # NOTE: marked static from the start, as the decode attention op marks its mask
+                # tensors (a compiled layer's guards would see the marks appear after its first call).
+                mark_all_static(kv_num_blocks, kv_indices, slots_B)
+                if self.compile_decode:
+                    mark_rows_dynamic(kv_num_blocks, kv_indices, slots_B)
+                table, window = self.page_tables[regime], self.attention_regimes[regime]
+                block_masks[regime] = PagedDecodeMask(
+                    kv_num_blocks, kv_indices, input_pos_B, batch_idx_B, table.physical_to_logical, self.page_size, window or 0
+                )
+                physical_slots[regime] = slots_B
+            step = FlexStep(False, block_masks, physical_slots, self.kv_caches, self.step_kernel_options[False])
+            hidden_B1E = self._run_layers(hidden_B1E, layer_inputs, step, range(len(self.decoder.layers)), self._run_decode_layer)
+            if self.compile_decode:
+                mark_rows_dynamic(hidden_B1E)
+            return self.decode_epilogue(hidden_B1E)
 
     def _launch_decode(self, rows: list[Sequence], use_graph: bool, previous: DecodeLaunch | None = None) -> DecodeLaunch:
         """Queues one decode step for `rows` and returns without waiting for it.
@@ -1216,7 +1298,7 @@ class FlexInference:
             graph, next_ids, logits = self.cuda_graphs[bucket]
             graph.replay()
         else:
-            next_ids, logits = self.decode_step(*self._static_step_inputs(bucket))
+            next_ids, logits = self._decode_step(*self._static_step_inputs(bucket))
         # The tokens go to a host buffer of their own: a chained step overwrites a graph's outputs.
         host_ids = self.host_next_ids[self.num_decode_launches % 2]
         self.num_decode_launches += 1
@@ -1267,11 +1349,11 @@ class FlexInference:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):  # eager warm-up compiles this bucket's kernels
-                self.decode_step(*step_inputs)
+                self._decode_step(*step_inputs)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.graph_pool):
-                next_ids, logits = self.decode_step(*step_inputs)
+                next_ids, logits = self._decode_step(*step_inputs)
             self.graph_pool = graph.pool()
             self.cuda_graphs[bucket] = (graph, next_ids, logits)
             bucket_s[bucket] = time.perf_counter() - bucket_start

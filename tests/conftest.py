@@ -67,3 +67,11 @@ def compiled_variants(function) -> int:
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     return len(_debug_get_cache_entry_list(function.__code__))
+
+
+def compiled_decode_regions() -> dict[str, int]:
+    """How many compiled variants each region of the compiled decode step has."""
+    from qwen3_flex_inference import FlexInference, call_layer
+
+    regions = {"prologue": FlexInference._decode_prologue, "layer": call_layer, "epilogue": FlexInference._decode_epilogue}
+    return {region: compiled_variants(function) for region, function in regions.items()}

@@ -245,9 +245,9 @@ def test_fused_projections_give_the_same_tokens_as_hf(case):
 
 def test_compiled_fused_decode_step_through_every_bucket_matches_hf(tiny_dir):
     """The fastest decode mode (compiled step with a symbolic batch, fused projections): one
-    compile, the batch shrinking through buckets 8, 4 and 2, tokens equal to HF past the window."""
-    from conftest import compiled_variants
-    from qwen3_flex_inference import FlexInference
+    compile per kind of layer (regime, KV-shared or not, MLP width) for all layers and buckets,
+    the batch shrinking through buckets 8, 4 and 2, tokens equal to HF past the window."""
+    from conftest import compiled_decode_regions
 
     path = tiny_dir / "gemma4_text"
     hf = load_hf(path)
@@ -255,8 +255,11 @@ def test_compiled_fused_decode_step_through_every_bucket_matches_hf(tiny_dir):
     engine.end_ids = set()
     prompts = random_prompts([5, 30, 17, 40, 9, 60, 3], hf.config.vocab_size, seed=3)
     new_tokens = [3, 30, 7, 20, 5, 9, 16]
-    compiled_before = compiled_variants(FlexInference._decode_step)
+    layer_kinds = {(layer.self_attn.layer_type, layer.self_attn.is_kv_shared_layer, layer.mlp.down_proj.in_features) for layer in engine.decoder.layers}
+    compiled_before = compiled_decode_regions()
     sequences = engine.generate([Sequence(input_ids=ids, max_new_tokens=n) for ids, n in zip(prompts, new_tokens)])
-    assert compiled_variants(FlexInference._decode_step) - compiled_before == 1, "the decode step was compiled per bucket"
+    compiled = {region: n - compiled_before[region] for region, n in compiled_decode_regions().items()}
+    want = {"prologue": 1, "layer": len(layer_kinds), "epilogue": 1}
+    assert compiled == want, f"compiled per bucket or per layer: {compiled=} {want=} {layer_kinds=}"
     for seq, ids, n in zip(sequences, prompts, new_tokens):
         assert seq.output_ids == hf_argmax_rollout(hf, [ids], n, set())[0]

@@ -1,5 +1,6 @@
 """GPU-only checks (skipped without CUDA): exact float32 tokens eager and under CUDA graphs,
-bf16 Gemma-4-E2B-shaped decode where eager and graph decode must agree, and the skinny decode GEMM
+bf16 Gemma-4-E2B-shaped decode where eager and graph decode must agree, the bf16 logit error of the
+fastest decode mode against HF bf16's, and the skinny decode GEMM
 (every Triton config against fp64, skinny_linear's bits eager and replayed). Run by scripts/gpu_check.sh."""
 
 import json
@@ -77,6 +78,43 @@ def test_bf16_dummy_model_eager_and_graph_decode_agree(preset, batch_size):
     graph = [s.output_ids for s in engine.generate([Sequence(input_ids=ids) for ids in prompts], capture_cudagraph=True)]
     assert all(len(o) == 64 for o in eager)
     assert eager == graph
+
+
+def test_bf16_decode_logit_error_of_the_fastest_mode_at_most_1_2x_hf_bf16():
+    """E2B architecture, random float32 weights as the reference. The engine's fastest decode mode
+    (compiled step, fused projections, skinny GEMMs, CUDA graphs) in bf16 against HF bf16 on the
+    same rounded weights: each one's relative logit error against float32 HF, on the same tokens
+    (the engine's decode logits; HF teacher-forced on the sequences the engine produced)."""
+    import copy
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from gemma4_flex_inference import FlexGemma4Inference
+    from qwen3_flex_inference import Sequence
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    config = AutoConfig.for_model(**json.loads((ROOT / "scripts/presets/unsloth__gemma-4-E2B-it.json").read_text()))
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager").eval()
+    hf_bf16 = copy.deepcopy(reference).to(torch.bfloat16)
+    engine = FlexGemma4Inference(
+        copy.deepcopy(hf_bf16), None, max_batch_size=4, max_seq_length=1024, n_pages=64, page_size=128, max_new_tokens=16,
+        compile_decode=True, fuse_projections=True,
+    )
+    engine.end_ids = set()
+    prompts = random_prompts([100, 37, 600, 250], config.vocab_size, seed=21)
+    sequences = engine.generate([Sequence(input_ids=ids, record_logits=True) for ids in prompts], capture_cudagraph=True)
+    for i, seq in enumerate(sequences):
+        tokens = torch.tensor([seq.token_ids], device="cuda")
+        decode_rows = slice(len(seq.input_ids), len(seq.token_ids) - 1)  # logits that sampled tokens 2..16
+        with torch.no_grad():
+            want = reference(tokens).logits[0, decode_rows].float()
+            hf_got = hf_bf16(tokens).logits[0, decode_rows].float()
+        engine_got = torch.stack(seq.output_logits[1:]).to("cuda", torch.float32)  # the first comes from prefill
+        hf_err = ((hf_got - want).norm() / want.norm()).item()
+        engine_err = ((engine_got - want).norm() / want.norm()).item()
+        assert engine_err <= 1.2 * hf_err, f"prompt {i}: {engine_err=:.3e} {hf_err=:.3e}"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])

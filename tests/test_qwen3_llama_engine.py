@@ -148,9 +148,10 @@ def test_text_sequences_are_tokenized_when_a_tokenizer_is_given(case, tiny_dir):
     assert seq.output_ids == hf_greedy(case["hf"], [ids], 5, engine.end_ids)[0]
 
 
-def test_compiled_decode_step_is_compiled_once_for_all_buckets_and_matches_hf(tiny_dir):
-    """Sequences of different lengths shrink the batch through buckets 8, 4 and 2."""
-    from conftest import compiled_variants
+def test_compiled_decode_step_is_compiled_once_for_all_buckets_and_layers_and_matches_hf(tiny_dir):
+    """Sequences of different lengths shrink the batch through buckets 8, 4 and 2; the layers
+    (all of one kind) share one compiled graph."""
+    from conftest import compiled_decode_regions
 
     path = tiny_dir / "qwen3"
     hf = load_hf(path)
@@ -158,10 +159,11 @@ def test_compiled_decode_step_is_compiled_once_for_all_buckets_and_matches_hf(ti
     engine.end_ids = set()
     prompts = random_prompts([5, 40, 70, 12, 33, 9, 21], hf.config.vocab_size, seed=11)
     new_tokens = [3, 24, 7, 16, 2, 11, 20]
-    compiled_before = compiled_variants(FlexInference._decode_step)
+    compiled_before = compiled_decode_regions()
     sequences = engine.generate([Sequence(input_ids=ids, max_new_tokens=n) for ids, n in zip(prompts, new_tokens)])
     assert engine.buckets == [2, 4, 8]
-    assert compiled_variants(FlexInference._decode_step) - compiled_before == 1, "the decode step was compiled per bucket"
+    compiled = {region: n - compiled_before[region] for region, n in compiled_decode_regions().items()}
+    assert compiled == {"prologue": 1, "layer": 1, "epilogue": 1}, f"compiled per bucket or per layer: {compiled}"
     for seq, ids, n in zip(sequences, prompts, new_tokens):
         assert seq.output_ids == hf_greedy(hf, [ids], n, set())[0]
 
