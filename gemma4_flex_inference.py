@@ -12,7 +12,7 @@ scheduler, CUDA graphs, LoRA double-copy and CLI are the base engine's:
   `attention_k_eq_v`.
 - Per-layer inputs (PLE), four norms, layer_scalar: the decoder layers run Hugging Face's own
   forward, which threads them, so they are exact by construction; the walker supplies each layer
-  its PLE slice and the flex step.
+  its PLE slice, its regime's RoPE and its layer step (its store layer's cache, its regime's mask).
 - The final logit softcap, tanh(logits / c) * c.
 - Prefill shortcut: KV-shared layers write no K/V, so past the last store layer only each prompt's
   last position goes on (sliding layers' pages are recycled by the base engine's window pool).

@@ -5,7 +5,8 @@
 #   device call, so call it with one or two phases at a time)
 # kernels: which flex_attention kernel options work at head_dim 256/512 (prefill and decode)
 # tests:   tests/test_gpu.py (float32 tokens = HF eager, with CUDA graphs and compiled + fused; bf16
-#          eager = graph; every Triton GEMM config against fp64; ~4 min on an H200)
+#          eager = graph; bf16 decode logit error of the fastest mode vs HF bf16's; every Triton GEMM
+#          config against fp64; 4.6 min on an H200)
 # bench:   the CLIs on tiny checkpoints (CUDA graphs, LoRA + drift check, 4-bit) and a dummy Qwen3-4B
 # e2b:     the Gemma CLI on the E2B architecture (--load_format dummy, bf16), batch 64 and 1
 # profile: per-kernel GPU time of E2B decode steps and CUDA-graph replay time, batch 1 and 64
@@ -16,12 +17,14 @@
 # tokens), split so that each phase fits one 10-minute device call (times estimated from the per-system
 # times measured on an H200):
 # rollouts:            this engine, CUDA graphs and compiled + fused step, with kernel profiles (~6 min)
-# rollouts_quick:      the compiled + fused step alone, batch 64 and 1, with kernel profiles (3.5 min)
+# rollouts_quick:      the compiled + fused step alone, batch 64 and 1, with kernel profiles (2 min)
 # rollouts_rest:       its batch-8 row, batch 1 with cuBLAS for every GEMM, HF (dynamic cache, generate_batch) at 64 and 1 (5 min)
 # rollouts_ablation:   this engine, eager decode and the compiled step without fused projections (~7 min)
 # rollouts_qwen3:      the Qwen3-4B-shaped row, batch 64 (~4 min)
 # rollouts_hf:         HF generate with the dynamic cache, and generate_batch (~5 min)
-# rollouts_hf_compile: HF generate with a static cache and torch.compile (~7 min)
+# rollouts_hf_compile: HF generate with a static cache and torch.compile (on torch 2.11 + transformers 5.17
+#                      it segfaulted at batch 64 in its first generate; HF_COMPILE_MODE=default did not
+#                      finish batch 64 in 220 s)
 # multi_gpu: data-parallel scaling, the e2b batch-64 graph run (64 prompts per GPU) through torchrun
 #            on 1 GPU and on every GPU of the host: total tok/s on N GPUs vs 1
 set -u -o pipefail
@@ -104,7 +107,7 @@ run() {  # run NAME CMD...: logs the command, its status and its time
         run rollouts_hf $PY scripts/benchmarks/bench_rollouts.py --batch_sizes 64 8 1 --systems hf_cb hf_dynamic --out "$OUT/rollouts_hf.json" ;;
       rollouts_hf_compile)
         run rollouts_hf_compile $PY scripts/benchmarks/bench_rollouts.py --batch_sizes 64 8 1 --systems hf_static_compile \
-          --out "$OUT/rollouts_hf_compile.json" ;;
+          --hf_compile_mode "${HF_COMPILE_MODE:-reduce-overhead}" --out "$OUT/rollouts_hf_compile.json" ;;
       multi_gpu)
         num_gpus=$(nvidia-smi -L | wc -l)
         for n in $(printf '%s\n' 1 "$num_gpus" | sort -un); do

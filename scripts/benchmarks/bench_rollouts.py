@@ -5,7 +5,7 @@ Systems: `engine_eager`, `engine_graph`, `engine_compiled_graph` and `engine_fus
 graphs, and that with q/k/v and gate/up fused into one GEMM each; every one with the skinny
 GEMMs, `skinny_linear`), `engine_fused_compiled_graph_cublas` (the last with cuBLAS for every GEMM),
 `hf_dynamic` (generate, dynamic cache), `hf_static_compile` (generate, static cache,
-torch.compile), `hf_cb` (generate_batch continuous batching, where the installed transformers has
+torch.compile with `--hf_compile_mode`), `hf_cb` (generate_batch continuous batching, where the installed transformers has
 it; an error is recorded when it refuses the model). Workload: a `--load_format dummy` model from
 a preset, bf16, batch sizes 1/8/64, prompts of `--prompt_len` random tokens, `--new_tokens` new
 tokens with end ids ignored so every system does the same work.
@@ -156,7 +156,7 @@ def run_engine(model, prompts, new_tokens, use_graph, **options):
     return result, engine
 
 
-def run_hf(model, prompts, new_tokens, mode):
+def run_hf(model, prompts, new_tokens, mode, compile_mode="reduce-overhead"):
     """HF generate: time to first token from a max_new_tokens=1 run, decode = the rest."""
     device = model.device
     input_ids = torch.tensor(prompts, device=device)
@@ -164,7 +164,7 @@ def run_hf(model, prompts, new_tokens, mode):
     if mode == "hf_static_compile":
         kwargs["cache_implementation"] = "static"
         kwargs["compile_config"] = None
-        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        model.forward = torch.compile(model.forward, mode=None if compile_mode == "default" else compile_mode, fullgraph=True)
     try:
         start = time.perf_counter()
         model.generate(input_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
@@ -228,6 +228,7 @@ def main() -> int:
     parser.add_argument("--new_tokens", type=int, default=512, help="new tokens per sequence (end ids ignored)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda or cpu")
     parser.add_argument("--dtype", default="bfloat16", help="model dtype")
+    parser.add_argument("--hf_compile_mode", default="reduce-overhead", help="torch.compile mode of hf_static_compile (reduce-overhead: with CUDA graphs; default: without)")
     parser.add_argument("--profile", action="store_true", help="add each engine system's GPU time per kernel class (torch.profiler)")
     parser.add_argument("--out", default=None, help="write all results as JSON here")
     args = parser.parse_args()
@@ -260,7 +261,7 @@ def main() -> int:
             elif system == "hf_cb":
                 result = run_hf_cb(model, prompts, args.new_tokens)
             else:
-                result = run_hf(model, prompts, args.new_tokens, system)
+                result = run_hf(model, prompts, args.new_tokens, system, args.hf_compile_mode)
             if kv_bytes is not None and "error" not in result:
                 step_bytes = weight_bytes + kv_bytes
                 result["roofline_ms"] = 1e3 * step_bytes / (bandwidth * 1e9)
