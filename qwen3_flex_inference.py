@@ -214,7 +214,7 @@ class PageTable:
             slots.append(0 if page is None else page * self.page_size + pos % self.page_size)
         return slots
 
-    def decode_blocks(self, input_pos_B: torch.Tensor, batch_idx_B: torch.Tensor, sliding_window: int | None) -> tuple:
+    def decode_blocks(self, input_pos_B: torch.Tensor, batch_idx_B: torch.Tensor, sliding_window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Each decode row's visible logical blocks (`visible_logical_blocks`) mapped to physical
         pages: (kv_num_blocks [B, 1, 1], kv_indices [B, 1, 1, n_pages]; only the first
         kv_num_blocks of each row are read), the block tensors of a PagedDecodeMask."""
@@ -1114,6 +1114,7 @@ class FlexInference:
         return dict(position_embeddings=layer_inputs["position_embeddings"], attention_mask=None, layer_step=step.for_layer(layer_idx))
 
     def _run_layers(self, hidden_BSE, layer_inputs: dict, step: FlexStep, layer_indices: range, run_layer=call_layer) -> torch.Tensor:
+        """Runs decoder layers `layer_indices` in order through `run_layer`; returns their output."""
         for layer_idx in layer_indices:
             hidden_BSE = run_layer(self.decoder.layers[layer_idx], hidden_BSE, **self._layer_kwargs(layer_idx, layer_inputs, step))
         return hidden_BSE
@@ -1238,6 +1239,7 @@ class FlexInference:
         return greedy_tokens(logits_BV), logits_BV
 
     def _run_decode_layer(self, layer: nn.Module, hidden_B1E: torch.Tensor, **layer_kwargs) -> torch.Tensor:
+        """One decoder layer of the decode step (compiled: its batch-sized inputs marked symbolic)."""
         if self.compile_decode:
             mark_rows_dynamic(hidden_B1E, *(t for t in torch.utils._pytree.tree_leaves(layer_kwargs) if isinstance(t, torch.Tensor)))
         return self.decode_layer(layer, hidden_B1E, **layer_kwargs)
@@ -1257,7 +1259,7 @@ class FlexInference:
             for regime, (kv_num_blocks, kv_indices, slots_B) in regime_tensors.items():
                 # NOTE: marked static from the start, as the decode attention op marks its mask
                 # tensors (a compiled layer's guards would see the marks appear after its first call).
-                mark_all_static(kv_num_blocks, kv_indices, slots_B)
+                mark_all_static(kv_num_blocks, kv_indices)
                 if self.compile_decode:
                     mark_rows_dynamic(kv_num_blocks, kv_indices, slots_B)
                 table, window = self.page_tables[regime], self.attention_regimes[regime]
