@@ -1815,7 +1815,7 @@ def build_arg_parser(default_model_name: str, description: str) -> argparse.Argu
     p.add_argument("--n_pages", type=int, default=2048, help="pages in the KV pool (page 0 is reserved)")
     p.add_argument("--page_size", type=int, default=128, help="tokens per KV page")
     p.add_argument("--capture_cudagraph", action="store_true", help="decode through CUDA graphs, one per batch bucket")
-    p.add_argument("--compile_decode", action="store_true", help="torch.compile the whole decode step once for all batch buckets (fuses norms, RoPE, residuals)")
+    p.add_argument("--compile_decode", action="store_true", help="torch.compile the decode step by regions (prologue, one graph per kind of decoder layer, epilogue), once for all batch buckets (fuses norms, RoPE, residuals)")
     p.add_argument("--fuse_projections", action="store_true", help="one GEMM for q/k/v and one for gate/up per layer (weights become views of the fused ones)")
     p.add_argument(
         "--no_skinny_gemms", dest="skinny_gemms", action="store_false",
