@@ -399,16 +399,6 @@ def mark_all_static(*tensors) -> None:
                 torch._dynamo.mark_static(t, dim)
 
 
-def mark_rows_dynamic(*tensors) -> None:
-    """Lets torch.compile treat dim 0 (the decode batch) of these tensors as symbolic, so one
-    compile serves every batch bucket. Weak marks: a graph that needs a fixed size may still
-    specialise it (a no-op while tracing)."""
-    if torch.compiler.is_compiling():
-        return
-    for t in tensors:
-        torch._dynamo.maybe_mark_dynamic(t, 0)
-
-
 @torch.library.custom_op("flex_inference::paged_decode_attention", mutates_args=())
 def paged_decode_attention(
     q: torch.Tensor,
@@ -483,7 +473,7 @@ class FlexStep:
     physical_slots: dict  # attention regime -> [B * S] cache row of every token in that regime's pool
     kv_caches: list  # PagedKVCache per layer; None for layers that own no cache
     kernel_options: dict  # head_dim -> kernel options (decode: as JSON)
-    packed_kv: dict = field(default_factory=dict)  # prefill: cache layer -> fresh (k, v)
+    packed_kv: dict = field(default_factory=dict)  # prefill: PagedKVCache -> the fresh (k, v) written to it
     document_id_T: torch.Tensor | None = None  # prefill: which sequence each packed token belongs to
 
     def for_layer(self, cache_layer_idx: int, regime: str = FULL_ATTENTION) -> LayerStep:
@@ -492,7 +482,7 @@ class FlexStep:
         NOTE: picked here, outside the layer, so a compiled layer reads no layer index: dynamo
         specialises on every int it reads, and would compile each layer on its own.
         """
-        return LayerStep(self, cache_layer_idx, self.kv_caches[cache_layer_idx], self.block_masks[regime], self.physical_slots[regime])
+        return LayerStep(self, self.kv_caches[cache_layer_idx], self.block_masks[regime], self.physical_slots[regime])
 
 
 @dataclass
@@ -500,7 +490,6 @@ class LayerStep:
     """One layer's view of a FlexStep; the patched attention calls `attend`."""
 
     step: FlexStep
-    cache_layer_idx: int  # keys the packed prefill K/V (decode never reads it)
     cache: PagedKVCache
     block_mask: BlockMask | PagedDecodeMask
     physical_slots: torch.Tensor  # [B * S] cache row of every token
@@ -514,7 +503,7 @@ class LayerStep:
         if k is not None:
             self.cache.write(k, v, self.physical_slots)
             if step.is_prefill:
-                step.packed_kv[self.cache_layer_idx] = (k, v)
+                step.packed_kv[self.cache] = (k, v)
         kernel_options = step.kernel_options[q.shape[-1]]
         if not step.is_prefill:
             mask = self.block_mask
@@ -522,7 +511,7 @@ class LayerStep:
                 q, self.cache.k_cache, self.cache.v_cache, mask.kv_num_blocks, mask.kv_indices, mask.input_pos_B, mask.batch_idx_B,
                 mask.physical_to_logical, mask.page_size, mask.sliding_window, float(module.scaling), kernel_options,
             )
-        k, v = step.packed_kv[self.cache_layer_idx]
+        k, v = step.packed_kv[self.cache]
         # NOTE: automatic dynamic shapes would make a dimension symbolic once a second value is
         # seen; prefill keeps only the packed length dynamic.
         if not torch.compiler.is_compiling():
@@ -1238,10 +1227,17 @@ class FlexInference:
         logits_BV = self._logits(self.decoder.norm(hidden_B1E)[:, -1])
         return greedy_tokens(logits_BV), logits_BV
 
+    def _mark_rows_dynamic(self, *tensors) -> None:
+        """compile_decode: lets torch.compile treat dim 0 (the decode batch) of these inputs of a
+        compiled region as symbolic, so one compile serves every batch bucket. Weak marks: a graph
+        that needs a fixed size (a bucket of 1, flex's kernel inside the attention op) specialises it."""
+        if self.compile_decode:
+            for t in tensors:
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+
     def _run_decode_layer(self, layer: nn.Module, hidden_B1E: torch.Tensor, **layer_kwargs) -> torch.Tensor:
         """One decoder layer of the decode step (compiled: its batch-sized inputs marked symbolic)."""
-        if self.compile_decode:
-            mark_rows_dynamic(hidden_B1E, *(t for t in torch.utils._pytree.tree_leaves(layer_kwargs) if isinstance(t, torch.Tensor)))
+        self._mark_rows_dynamic(hidden_B1E, *(t for t in torch.utils._pytree.tree_leaves(layer_kwargs) if isinstance(t, torch.Tensor)))
         return self.decode_layer(layer, hidden_B1E, **layer_kwargs)
 
     def _decode_step(self, input_ids_B, input_pos_B, batch_idx_B) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1260,8 +1256,7 @@ class FlexInference:
                 # NOTE: marked static from the start, as the decode attention op marks its mask
                 # tensors (a compiled layer's guards would see the marks appear after its first call).
                 mark_all_static(kv_num_blocks, kv_indices)
-                if self.compile_decode:
-                    mark_rows_dynamic(kv_num_blocks, kv_indices, slots_B)
+                self._mark_rows_dynamic(kv_num_blocks, kv_indices, slots_B)
                 table, window = self.page_tables[regime], self.attention_regimes[regime]
                 block_masks[regime] = PagedDecodeMask(
                     kv_num_blocks, kv_indices, input_pos_B, batch_idx_B, table.physical_to_logical, self.page_size, window or 0
@@ -1269,8 +1264,7 @@ class FlexInference:
                 physical_slots[regime] = slots_B
             step = FlexStep(False, block_masks, physical_slots, self.kv_caches, self.step_kernel_options[False])
             hidden_B1E = self._run_layers(hidden_B1E, layer_inputs, step, range(len(self.decoder.layers)), self._run_decode_layer)
-            if self.compile_decode:
-                mark_rows_dynamic(hidden_B1E)
+            self._mark_rows_dynamic(hidden_B1E)
             return self.decode_epilogue(hidden_B1E)
 
     def _launch_decode(self, rows: list[Sequence], use_graph: bool, previous: DecodeLaunch | None = None) -> DecodeLaunch:
@@ -1328,9 +1322,7 @@ class FlexInference:
         """Rows 0..bucket-1 of the static input ids, positions and batch slots; the compiled step
         sees their batch size as symbolic."""
         inputs = list(self.static_step_inputs[:, :bucket])
-        if self.compile_decode and bucket > 1:
-            for t in inputs:
-                torch._dynamo.mark_dynamic(t, 0)
+        self._mark_rows_dynamic(*inputs)
         return inputs
 
     @torch.inference_mode()
