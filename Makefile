@@ -19,7 +19,7 @@ checkpoints: install
 	$(PY) scripts/make_tiny_checkpoints.py
 
 run: checkpoints
-	$(PY) scripts/run_main.py
+	$(PY) -m scripts.run_main
 
 test: install
 	$(PY) -m pytest -q tests

@@ -23,25 +23,29 @@ scheduler, CUDA graphs, LoRA double-copy and CLI are the base engine's:
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import torch
 from torch import nn
-from torch.nn.attention.flex_attention import create_block_mask
 
 from qwen3_flex_inference import (
-    SLIDING_ATTENTION,
     FlexInference,
-    FlexStep,
+    FlexInferenceError,
+    ModelRunner,
     PagedKVCache,
     PageTable,
+    PrefillStep,
     Sequence,
-    _apply_rotary,
+    apply_rotary,
     build_arg_parser,
     check_model_path,
-    document_causal_mask_mod,
+    eos_token_ids,
     flex_attention_compiled,
-    gathered_rows_mask_mod,
     load_causal_lm,
+    load_config,
     load_peft_adapter,
+    packed_block_masks,
     project,
     qkv_projections,
     refresh_lora_merge_from_pristine,
@@ -51,6 +55,7 @@ from qwen3_flex_inference import (
 
 __all__ = [
     "FlexGemma4Inference",
+    "Gemma4ModelRunner",
     "PagedKVCache",
     "PageTable",
     "Sequence",
@@ -64,12 +69,12 @@ __all__ = [
 GEMMA4_INSTALL_HINT = "Gemma-4 needs transformers >= 5.5, whose gemma4 module this install lacks: pip install -U 'transformers>=5.5'"
 
 
-def _require_gemma4() -> None:
-    """Exits with an install hint when the installed transformers has no gemma4 module."""
+def require_gemma4() -> None:
+    """Raises, with an install hint, when the installed transformers has no gemma4 module."""
     try:
         import transformers.models.gemma4.modeling_gemma4  # noqa: F401
     except ImportError:
-        raise SystemExit(GEMMA4_INSTALL_HINT)
+        raise FlexInferenceError(GEMMA4_INSTALL_HINT)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -110,14 +115,14 @@ def gemma4_attention_forward(self, hidden_states, position_embeddings, attention
     hidden_shape = (*input_shape, -1, self.head_dim)
     cos, sin = position_embeddings
     projections = [t.view(hidden_shape) for t in project(self, qkv_projections(self), "fused_qkv_weight", hidden_states)]
-    q = _apply_rotary(self.q_norm(projections[0]).transpose(1, 2), cos, sin)  # [B, H, S, D]
+    q = apply_rotary(self.q_norm(projections[0]).transpose(1, 2), cos, sin)  # [B, H, S, D]
     k = v = None  # KV-shared layers read their store layer's cache
     if not self.is_kv_shared_layer:
         k = projections[1]
         v = projections[2] if len(projections) == 3 else k  # attention_k_eq_v: values are the raw keys
-        k = _apply_rotary(self.k_norm(k).transpose(1, 2), cos, sin)  # [B, H_kv, S, D]
+        k = apply_rotary(self.k_norm(k).transpose(1, 2), cos, sin)  # [B, H_kv, S, D]
         v = self.v_norm(v).transpose(1, 2)
-    attn_output = layer_step.attend(self, q, k, v)
+    attn_output = layer_step.attend(q, k, v, self.scaling)
     attn_output = attn_output.transpose(1, 2).reshape(*input_shape, -1)
     return self.o_proj(attn_output), None
 
@@ -127,18 +132,15 @@ def gemma4_attention_forward(self, hidden_states, position_embeddings, attention
 # ---------------------------------------------------------------------------------------------
 
 
-class FlexGemma4Inference(FlexInference):
-    """FlexInference for Gemma-4 text models (`Gemma4ForCausalLM`, optionally in a PEFT wrapper)."""
+class Gemma4ModelRunner(ModelRunner):
+    """The model runner's hooks for Gemma-4 text models (`Gemma4ForCausalLM`)."""
 
     use_prefill_shortcut = True  # False: every prefill row runs every layer (to measure the shortcut)
 
-    def _attention_regimes(self) -> dict[str, int | None]:
-        return {t: (self.config.sliding_window if t == SLIDING_ATTENTION else None) for t in set(self.config.layer_types)}
-
-    def _build_kv_caches(self) -> list[PagedKVCache | None]:
+    def build_kv_caches(self) -> list[PagedKVCache | None]:
         """Only non-shared layers own a cache: KV bytes per token = the sum over those layers."""
         caches = []
-        for layer_idx, attn in enumerate(self._attention_layers()):
+        for attn in self.attention_layers():
             if attn.is_kv_shared_layer:
                 caches.append(None)
                 continue
@@ -147,16 +149,12 @@ class FlexGemma4Inference(FlexInference):
             caches.append(PagedKVCache(n_pages, self.page_size, num_kv_heads, attn.head_dim, self.dtype, self.device))
         return caches
 
-    @property
-    def first_kv_shared_layer_idx(self) -> int:
-        return first_kv_shared_layer(self.config)
-
-    def _patch_model(self) -> None:
-        for attn, cache_layer_idx in zip(self._attention_layers(), kv_store_layers(self.config)):
+    def patch_attention(self) -> None:
+        for attn, cache_layer_idx in zip(self.attention_layers(), kv_store_layers(self.config)):
             attn.kv_cache_layer_idx = cache_layer_idx
             attn.forward = gemma4_attention_forward.__get__(attn)
 
-    def _embed(self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    def embed(self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """Embeddings (scaled) [B, S, hidden]; the layer inputs: PLE [B, S, layers, ple_dim] and
         each regime's RoPE cos/sin."""
         decoder = self.decoder
@@ -164,55 +162,55 @@ class FlexGemma4Inference(FlexInference):
         per_layer_inputs_BSLP = None
         if decoder.hidden_size_per_layer_input:
             per_layer_inputs_BSLP = decoder.project_per_layer_inputs(hidden_BSE, decoder.get_per_layer_inputs(input_ids_BS, None))
-        position_embeddings = {t: decoder.rotary_emb(hidden_BSE, position_ids_BS, t) for t in self.attention_regimes}
+        position_embeddings = {t: decoder.rotary_emb(hidden_BSE, position_ids_BS, t) for t in self.sliding_windows}
         return hidden_BSE, {"per_layer_inputs": per_layer_inputs_BSLP, "position_embeddings": position_embeddings}
 
-    def _layer_kwargs(self, layer_idx: int, layer_inputs: dict, step: FlexStep) -> dict:
+    def layer_kwargs(self, layer_idx: int, layer_inputs: dict, step) -> dict:
         """Each layer gets its PLE slice, its regime's RoPE, and its store layer's cache."""
-        layer = self.decoder.layers[layer_idx]
+        attn = self.decoder.layers[layer_idx].self_attn
         per_layer_inputs_BSLP = layer_inputs["per_layer_inputs"]
         return dict(
             per_layer_input=per_layer_inputs_BSLP[:, :, layer_idx] if per_layer_inputs_BSLP is not None else None,
-            position_embeddings=layer_inputs["position_embeddings"][layer.self_attn.layer_type],
+            position_embeddings=layer_inputs["position_embeddings"][attn.layer_type],
             attention_mask=None,
-            layer_step=step.for_layer(layer.self_attn.kv_cache_layer_idx, layer.self_attn.layer_type),
+            layer_step=step.for_layer(attn.kv_cache_layer_idx, attn.layer_type),
         )
 
-    def _prefill_hidden(self, input_ids_1T, position_ids_1T, step: FlexStep, last_positions_N) -> torch.Tensor:
+    def prefill_hidden(self, input_ids_1T, position_ids_1T, step: PrefillStep, last_positions_N) -> torch.Tensor:
         """Prefill shortcut: KV-shared layers write no K/V, so past the last store layer only each
         prompt's last position goes on; its queries still see the store layers' packed K/V."""
         if not self.use_prefill_shortcut:
-            return super()._prefill_hidden(input_ids_1T, position_ids_1T, step, last_positions_N)
-        hidden_1TE, layer_inputs = self._embed(input_ids_1T, position_ids_1T)
-        num_layers, first_shared = len(self.decoder.layers), self.first_kv_shared_layer_idx
-        hidden_1TE = self._run_layers(hidden_1TE, layer_inputs, step, range(first_shared))
+            return super().prefill_hidden(input_ids_1T, position_ids_1T, step, last_positions_N)
+        hidden_1TE, layer_inputs = self.embed(input_ids_1T, position_ids_1T)
+        num_layers, first_shared = len(self.decoder.layers), first_kv_shared_layer(self.config)
+        hidden_1TE = self.run_layers(hidden_1TE, layer_inputs, step, range(first_shared))
         # The rows, their layer inputs and the block masks cut to each prompt's last position.
         hidden_1NE = hidden_1TE[:, last_positions_N]
         per_layer_inputs_1TLP = layer_inputs["per_layer_inputs"]
-        layer_inputs = {
+        last_position_inputs = {
             "per_layer_inputs": per_layer_inputs_1TLP[:, last_positions_N] if per_layer_inputs_1TLP is not None else None,
-            "position_embeddings": {t: (cos[:, last_positions_N], sin[:, last_positions_N]) for t, (cos, sin) in layer_inputs["position_embeddings"].items()},
+            "position_embeddings": {
+                regime: (cos[:, last_positions_N], sin[:, last_positions_N])
+                for regime, (cos, sin) in layer_inputs["position_embeddings"].items()
+            },
         }
-        step.block_masks = self._last_position_masks(step, last_positions_N)
-        hidden_1NE = self._run_layers(hidden_1NE, layer_inputs, step, range(first_shared, num_layers))
+        last_position_masks = packed_block_masks(step.document_id_T, self.sliding_windows, self.device, last_positions_N)
+        last_position_step = dataclasses.replace(step, block_masks=last_position_masks)
+        hidden_1NE = self.run_layers(hidden_1NE, last_position_inputs, last_position_step, range(first_shared, num_layers))
         return self.decoder.norm(hidden_1NE)
 
-    def _last_position_masks(self, step: FlexStep, last_positions_N) -> dict:
-        """The packed document-causal masks, restricted to each prompt's last query row."""
-        N, T = len(last_positions_N), len(step.document_id_T)
-        return {
-            regime: create_block_mask(
-                gathered_rows_mask_mod(document_causal_mask_mod(step.document_id_T, window), last_positions_N), None, None, N, T, device=self.device
-            )
-            for regime, window in self.attention_regimes.items()
-        }
-
-    def _logits(self, hidden_NE: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden_NE: torch.Tensor) -> torch.Tensor:
         logits_NV = self.causal_lm.lm_head(hidden_NE).float()
         softcap = self.config.final_logit_softcapping
         if softcap is not None:
             logits_NV = torch.tanh(logits_NV / softcap) * softcap
         return logits_NV
+
+
+class FlexGemma4Inference(FlexInference):
+    """FlexInference for Gemma-4 text models (`Gemma4ForCausalLM`, optionally in a PEFT wrapper)."""
+
+    runner_class = Gemma4ModelRunner
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,11 +232,7 @@ def causal_lm_from_multimodal(multimodal) -> nn.Module:
     from transformers import Gemma4ForCausalLM
 
     text_config = multimodal.config.text_config
-    end_ids = set()
-    for source in (multimodal.config, text_config, multimodal.generation_config):
-        value = getattr(source, "eos_token_id", None)
-        if value is not None:
-            end_ids |= set(value) if isinstance(value, (list, tuple)) else {value}
+    end_ids = eos_token_ids(multimodal.config, text_config, multimodal.generation_config)
     with torch.device("meta"):
         shell = Gemma4ForCausalLM(text_config)
     shell.model = multimodal.model.language_model
@@ -249,20 +243,18 @@ def causal_lm_from_multimodal(multimodal) -> nn.Module:
     return shell
 
 
-def load_gemma4(args, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """Loads a Gemma-4 checkpoint (multimodal or text-only) as a Gemma4ForCausalLM on `device`."""
-    from transformers import AutoConfig, Gemma4ForCausalLM, Gemma4ForConditionalGeneration
+def load_gemma4(path: str, dtype: torch.dtype, device: torch.device, **load_kwargs) -> nn.Module:
+    """Loads a Gemma-4 checkpoint (multimodal or text-only) as a Gemma4ForCausalLM on `device`;
+    `load_kwargs` as for load_causal_lm (load_format, load_in_4bit, trust_remote_code, ...)."""
+    from transformers import Gemma4ForCausalLM, Gemma4ForConditionalGeneration
 
-    if args.load_format == "dummy":
-        return load_causal_lm(args, device, dtype, Gemma4ForCausalLM, config_hook=text_config_of)
-    check_model_path(args.model_name)
-    try:
-        config = AutoConfig.from_pretrained(args.model_name, trust_remote_code=args.trust_remote_code)
-    except OSError as error:
-        raise SystemExit(f"could not read the config of {args.model_name}: {str(error).splitlines()[0]}")
+    if load_kwargs.get("load_format") == "dummy":
+        return load_causal_lm(path, dtype, device, model_class=Gemma4ForCausalLM, config_hook=text_config_of, **load_kwargs)
+    check_model_path(path)
+    config = load_config(path, load_kwargs.get("trust_remote_code", False), use_preset=False)
     if getattr(config, "text_config", None) is None:
-        return load_causal_lm(args, device, dtype, Gemma4ForCausalLM)
-    multimodal = load_causal_lm(args, device, dtype, Gemma4ForConditionalGeneration)
+        return load_causal_lm(path, dtype, device, model_class=Gemma4ForCausalLM, **load_kwargs)
+    multimodal = load_causal_lm(path, dtype, device, model_class=Gemma4ForConditionalGeneration, **load_kwargs)
     return causal_lm_from_multimodal(multimodal).eval()
 
 
@@ -273,8 +265,6 @@ def load_gemma4_adapter(causal_lm: nn.Module, adapter_path: str):
     shell holds the same modules as `model.*`, so such an adapter's weights are renamed and its
     targets become the renamed module names (vision/audio targets cannot exist in the shell).
     """
-    from pathlib import Path
-
     from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
     from safetensors.torch import load_file
 
@@ -284,20 +274,23 @@ def load_gemma4_adapter(causal_lm: nn.Module, adapter_path: str):
         return load_peft_adapter(causal_lm, adapter_path)
     renamed = {key.replace(".model.language_model.", ".model."): w for key, w in weights.items() if ".language_model." in key}
     if len(renamed) != len(weights):
-        raise ValueError("the adapter also adapts the vision or audio towers, which the text engine drops")
+        raise FlexInferenceError("the adapter also adapts the vision or audio towers, which the text engine drops")
     config = LoraConfig.from_pretrained(adapter_path)
     config.target_modules = sorted({key.removeprefix("base_model.model.").split(".lora_")[0] for key in renamed})
     config.inference_mode = True
     peft_model = get_peft_model(causal_lm, config)
     result = set_peft_model_state_dict(peft_model, renamed)
     if result.unexpected_keys:
-        raise ValueError(f"adapter weights {result.unexpected_keys[:3]} have no place in the model")
+        raise FlexInferenceError(f"adapter weights {result.unexpected_keys[:3]} have no place in the model")
     return peft_model.eval()
 
 
 def main(argv=None) -> None:
     args = build_arg_parser("unsloth/gemma-4-E2B-it", "Greedy rollouts for Gemma-4 on flex_attention.").parse_args(argv)
-    _require_gemma4()
+    try:
+        require_gemma4()
+    except FlexInferenceError as error:
+        raise SystemExit(str(error))
     run_cli(args, FlexGemma4Inference, load_gemma4, default_chat_template="native", load_adapter=load_gemma4_adapter)
 
 

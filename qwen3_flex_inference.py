@@ -1,28 +1,40 @@
 """Fast, exact rollouts for Qwen3 and Llama-3.2 on flex_attention with a paged KV cache.
 
-One token's path through this file, top to bottom:
-page table and KV cache -> block masks -> flex attention -> skinny decode GEMMs -> patched
-attention -> layer walker -> engine (scheduler, packed prefill, decode, CUDA graphs) -> LoRA
-double-copy and drift check -> data parallel (one engine per torchrun rank) -> CLI.
+The file reads in the order a request travels:
+1. `Sequence` and `FlexInference.generate`: the engine composes a scheduler and a model runner.
+2. `Scheduler`: admission into a batch slot (`BatchSlots`) and KV pages (one `PageTable` per
+   attention regime), page growth, preemption, retirement, and whether the next decode step can be
+   queued before the last one's tokens are read.
+3. `ModelRunner`: packed prefill, then the decode step (eager, compiled by regions, or a CUDA
+   graph per batch bucket), queued as `DecodeLaunch`es whose tokens the engine reads back.
+4. Attention over the paged cache: each step's view for one layer (`PrefillStep`, `DecodeStep`),
+   the paged KV cache, the block masks and the decode attention op.
+5. Tokens out: greedy tokens.
+6. Kernels: compiled flex_attention and its options, the compile-shape policy, skinny decode
+   GEMMs, rotary.
+7. The model patches (Qwen3/Llama attention, fused projections), the LoRA double-copy and drift
+   check, data parallel (one engine per torchrun rank), loaders, and last the CLI.
 
 Ideas taken from: PagedAttention (vLLM) for the paged KV cache; nano-vllm and flex-nano-vllm for
-the scheduler, the page table and turning a logical block mask into a physical one; attention-gym's
-paged-attention example; gpt-fast for CUDA-graph decode; for the few-row GEMMs, split-K work
-decomposition (Hoque et al., "Accelerating a Triton Fused Kernel for W4A16 Quantized Inference
-with SplitK", 2024; here without atomics) and putting the weight on the MMA's wide side ("swap
-AB", as vLLM's small-batch CUTLASS GEMMs do). The reference for every number this engine produces
-is Hugging Face transformers on the same weights.
+the scheduler / model-runner split, the page table and turning a logical block mask into a
+physical one; attention-gym's paged-attention example; gpt-fast for CUDA-graph decode; for the
+few-row GEMMs, split-K work decomposition (Hoque et al., "Accelerating a Triton Fused Kernel for
+W4A16 Quantized Inference with SplitK", 2024; here without atomics) and putting the weight on the
+MMA's wide side ("swap AB", as vLLM's small-batch CUTLASS GEMMs do). The reference for every
+number this engine produces is Hugging Face transformers on the same weights.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import hashlib
 import importlib.util
 import json
 import os
 import random
+import re
 import statistics
 import sys
 import time
@@ -44,83 +56,518 @@ try:
 except ImportError:  # CPU installs without triton: skinny_linear is then plain F.linear
     triton = None
 
-# Built-in prompts: math word problems written for this project, so the demo needs no network.
-DEFAULT_PROMPTS = [
-    "A baker makes 14 loaves of bread each morning and sells 9 of them before noon. How many loaves are left at noon after 5 mornings if nothing is carried over?",
-    "Mia has 3 boxes with 12 pencils each. She gives 7 pencils to her brother. How many pencils does she have now?",
-    "A train travels 180 kilometres in 2 hours. At the same speed, how far does it travel in 5 hours?",
-    "Tom reads 15 pages a day. His book has 240 pages. How many days does he need to finish it?",
-    "A garden is 8 metres long and 5 metres wide. A path 1 metre wide runs around the outside. What is the area of the path?",
-    "Lena buys 4 notebooks at 2.50 dollars each and a pen for 1.75 dollars. She pays with a 20 dollar bill. How much change does she get?",
-    "The sum of three consecutive integers is 72. What is the largest of them?",
-    "A tank holds 500 litres. It is filled at 20 litres per minute and drains at 5 litres per minute. How long does it take to fill the empty tank?",
-    "Sam is twice as old as his sister. In 6 years the sum of their ages will be 42. How old is Sam now?",
-    "A shop sells apples at 3 for 1 dollar. How much do 27 apples cost?",
-    "A rectangle has a perimeter of 36 centimetres and its length is twice its width. What is its area?",
-    "Five workers build a wall in 12 days. How many days would 6 workers need at the same rate?",
-    "A class has 28 students. Three sevenths of them walk to school and the rest take the bus. How many take the bus?",
-    "A cyclist rides at 18 kilometres per hour for 40 minutes. How far does she ride?",
-    "The price of a jacket is 80 dollars. It is reduced by 25 percent, then the new price is raised by 10 percent. What is the final price?",
-    "A farmer has chickens and cows, 30 animals in all with 74 legs. How many cows does he have?",
-    "What is the smallest positive integer that leaves a remainder of 1 when divided by 2, 3, 4, 5 and 6?",
-    "A recipe needs 250 grams of flour for 10 cookies. How much flour is needed for 36 cookies?",
-    "Two numbers add up to 50 and differ by 12. What is their product?",
-    "A water bottle is one third full. After adding 200 millilitres it is three quarters full. What is its capacity?",
-    "Jon saves 15 dollars every week. He already has 45 dollars. After how many weeks will he have 300 dollars?",
-    "A square and an equilateral triangle have the same perimeter. The square has side 9. What is the side of the triangle?",
-    "A bus leaves every 12 minutes starting at 7:00. How many buses have left by 9:30, counting the one at 7:00?",
-    "The average of four numbers is 15. Three of them are 10, 12 and 20. What is the fourth?",
-]
-
-GRPO_SYSTEM_PROMPT = (
-    "You are given a problem. Think about the problem and provide your working out. "
-    "Place it between <start_working_out> and <end_working_out>. "
-    "Then, provide your solution between <SOLUTION></SOLUTION>."
-)
-
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 
-# NOTE: every distinct prefill length, head_dim and decode batch bucket is its own compiled
-# specialisation; the default limit of 8 would silently fall back to eager flex attention.
-torch._dynamo.config.recompile_limit = 256
-torch._dynamo.config.accumulated_recompile_limit = 4096
+
+class FlexInferenceError(ValueError):
+    """Bad input, or a setup this engine cannot run, said in one sentence.
+
+    `params` names the arguments the sentence mentions that a caller can change; the CLI writes
+    them as its flags (`n_pages` -> `--n_pages`).
+    """
+
+    def __init__(self, message: str, *params: str):
+        super().__init__(message)
+        self.params = params
 
 
 # ---------------------------------------------------------------------------------------------
-# Page table and paged KV cache
+# Requests in: Sequence and the engine
 # ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Sequence:
+    """One prompt and its completion. `input_ids`, when given, is used as is (no tokenizer needed)."""
+
+    text: str | None = None
+    input_ids: list[int] | None = None
+    max_new_tokens: int | None = None
+    output_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" (an end id) or "length"
+    record_logits: bool = False  # keep each generated token's logits (tests, analysis)
+    output_logits: list = field(default_factory=list)
+    batch_idx: int = -1  # batch slot while it holds pages, -1 otherwise
+    num_preemptions: int = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.input_ids) + len(self.output_ids)
+
+
+class FlexInference:
+    """Continuous-batching greedy generation with a paged KV cache and flex attention.
+
+    `model` is a Hugging Face Qwen3/Llama causal LM (optionally inside a PEFT wrapper) on CUDA or
+    CPU. The engine composes a `Scheduler` (who runs, on which pages; CPU bookkeeping) and a
+    `ModelRunner` (the forward passes). With `peft_model`, the adapter's LoRA deltas are merged into
+    `model`'s target weights from a pristine copy (`refresh_lora()` after every optimizer step);
+    `base_model`, if given, holds those pristine weights already (e.g. a trainer's frozen base) so
+    nothing is copied.
+    """
+
+    runner_class: type | None = None  # None: ModelRunner (Qwen3, Llama); FlexGemma4Inference sets its own
+    max_prefill_tokens = 8192  # tokens packed into one prefill row (at least max_seq_length)
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer=None,
+        max_batch_size: int = 32,
+        max_seq_length: int = 2048,
+        n_pages: int = 2048,
+        page_size: int = 128,
+        max_new_tokens: int = 512,
+        decode_kernel_options: dict | None = None,
+        prefill_kernel_options: dict | None = None,
+        fa4_prefill: bool | None = None,
+        base_model: nn.Module | None = None,
+        peft_model: nn.Module | None = None,
+        compile_decode: bool = False,
+        fuse_projections: bool = False,
+        skinny_gemms: bool = True,
+    ):
+        check_engine_limits(max_batch_size, max_seq_length, n_pages, page_size, max_new_tokens)
+        self.model = model
+        self.causal_lm = unwrap_causal_lm(model)
+        self.config = self.causal_lm.config
+        self.tokenizer = tokenizer
+        self.max_seq_length = max_seq_length
+        self.max_new_tokens = max_new_tokens
+        self.end_ids = end_token_ids(self.causal_lm, tokenizer)
+        device = next(self.causal_lm.parameters()).device
+        sliding_windows = attention_regimes(self.config)
+        page_tables = {
+            regime: PageTable(
+                page_size, pool_pages(n_pages, window, max_batch_size, page_size), max_batch_size + 1, max_seq_length, device
+            )
+            for regime, window in sliding_windows.items()
+        }
+        self.scheduler = Scheduler(
+            page_tables, sliding_windows, max_batch_size, max_seq_length, max(self.max_prefill_tokens, max_seq_length)
+        )
+        self.runner = (self.runner_class or ModelRunner)(
+            self.causal_lm,
+            page_tables,
+            sliding_windows,
+            max_batch_size,
+            decode_kernel_options=decode_kernel_options,
+            prefill_kernel_options=prefill_kernel_options,
+            fa4_prefill=fa4_prefill,
+            compile_decode=compile_decode,
+            fuse_projections=fuse_projections,
+            skinny_gemms=skinny_gemms,
+            is_lora_merged=peft_model is not None,
+        )
+        self.timings: dict[str, float] = {}
+        self.peft_model = peft_model
+        self.lora_targets: dict[str, torch.Tensor] = {}
+        self.pristine_lora_weights: dict[str, torch.Tensor] = {}
+        if peft_model is not None:
+            self.lora_targets = lora_target_weights(self.causal_lm, peft_model)
+            self.pristine_lora_weights = snapshot_pristine_lora_weights(self.lora_targets, base_model)
+            self.refresh_lora()
+
+    def prepare(self, sequences: list[Sequence]) -> None:
+        """Tokenizes and checks every sequence, and clears its output: bad input fails here, before any work."""
+        for seq in sequences:
+            if seq.input_ids is None:
+                if seq.text is None:
+                    raise FlexInferenceError("a Sequence needs text or input_ids")
+                if self.tokenizer is None:
+                    raise FlexInferenceError("a Sequence without input_ids needs a tokenizer")
+                seq.input_ids = self.tokenizer(seq.text, add_special_tokens=False)["input_ids"]
+            seq.input_ids = list(seq.input_ids)
+            if not seq.input_ids:
+                raise FlexInferenceError("a prompt has no tokens")
+            if len(seq.input_ids) >= self.max_seq_length:
+                raise FlexInferenceError(
+                    f"a prompt has {len(seq.input_ids)} tokens, max_seq_length is {self.max_seq_length}: "
+                    "shorten it or raise max_seq_length",
+                    "max_seq_length",
+                )
+            if seq.max_new_tokens is None:
+                seq.max_new_tokens = self.max_new_tokens
+            if seq.max_new_tokens < 1:
+                raise FlexInferenceError(f"max_new_tokens must be at least 1, got {seq.max_new_tokens}", "max_new_tokens")
+            seq.output_ids, seq.output_logits, seq.finished, seq.finish_reason = [], [], False, None
+
+    @torch.inference_mode()
+    def generate(self, sequences: list[Sequence], capture_cudagraph: bool = False, progress: bool = False) -> list[Sequence]:
+        """Greedy-decodes every sequence to an end id or its max_new_tokens; returns them in input order."""
+        self.prepare(sequences)
+        with compile_settings():
+            if capture_cudagraph:
+                self.capture_cuda_graphs()
+            try:
+                return self._generate(sequences, capture_cudagraph, progress)
+            finally:  # an error (or an interrupt) mid-way leaves no slot or page held
+                self.scheduler.abort()
+
+    def _generate(self, sequences: list[Sequence], use_graph: bool, progress: bool) -> list[Sequence]:
+        """The loop: admit and prefill, one decode step for every running sequence, retire.
+
+        While the running set stays the same, each decode step is queued before the previous
+        one's tokens are read, so the host's bookkeeping overlaps the GPU's work.
+        """
+        scheduler, runner = self.scheduler, self.runner
+        scheduler.add(sequences)
+        launch: DecodeLaunch | None = None  # a decode step queued but not read yet
+        bar = _progress_bar(sum(s.max_new_tokens for s in sequences), progress)
+        num_prefill_tokens = num_decode_tokens = 0
+        prefill_s = decode_s = 0.0
+        while not scheduler.is_done:
+            if launch is None:
+                admitted = scheduler.admit(scheduler.max_prefill_tokens)
+                if admitted:
+                    start = time.perf_counter()
+                    next_ids, logits_NV = runner.prefill(admitted)
+                    prefill_s += time.perf_counter() - start
+                    num_prefill_tokens += sum(seq.seq_len for seq in admitted)
+                    for seq, token, logits_V in zip(admitted, next_ids, logits_NV):
+                        self._append(seq, token, logits_V)
+                    scheduler.run(admitted)
+                    bar.update(len(admitted))
+                scheduler.retire()
+                scheduler.reserve_or_preempt()
+                if not scheduler.running:  # all finished, or the only sequence gave its pages back
+                    continue
+                start = time.perf_counter()
+                launch = runner.launch_decode(scheduler.running, use_graph)
+            else:
+                start = time.perf_counter()
+            next_launch = runner.launch_decode(scheduler.running, use_graph, launch) if scheduler.can_chain() else None
+            next_ids = launch.read()
+            decode_s += time.perf_counter() - start
+            num_appended = 0
+            for i, seq in enumerate(launch.rows):
+                if not seq.finished:  # a row that finished a step earlier rode along in a chained step
+                    self._append(seq, next_ids[i], None if launch.logits_BV is None else launch.logits_BV[i])
+                    num_appended += 1
+            num_decode_tokens += num_appended
+            bar.update(num_appended)
+            launch = next_launch
+            if launch is None:
+                scheduler.retire()
+            bar.set_postfix_str(
+                f"prefill {num_prefill_tokens / max(prefill_s, 1e-9):.0f} tok/s, "
+                f"decode {num_decode_tokens / max(decode_s, 1e-9):.0f} tok/s"
+            )
+        bar.close()
+        self.timings.update(
+            prefill_s=prefill_s, decode_s=decode_s, num_prefill_tokens=num_prefill_tokens, num_decode_tokens=num_decode_tokens
+        )
+        return sequences
+
+    def _append(self, seq: Sequence, token: int, logits_V: torch.Tensor | None) -> None:
+        """Tokens out: one generated token; the sequence finishes at an end id or its length limit."""
+        seq.output_ids.append(token)
+        if seq.record_logits:
+            seq.output_logits.append(logits_V.detach().float().cpu())
+        if token in self.end_ids:
+            seq.finished, seq.finish_reason = True, "stop"
+        elif len(seq.output_ids) >= seq.max_new_tokens or seq.seq_len >= self.max_seq_length:
+            seq.finished, seq.finish_reason = True, "length"
+
+    @torch.inference_mode()
+    def score(self, token_ids: list[list[int]]) -> list[torch.Tensor]:
+        """Teacher-forced logits [len, V] (float32, CPU) for each token list, through packed
+        prefills of as many lists as the free slots and pages hold."""
+        waiting = [Sequence(input_ids=list(ids)) for ids in token_ids]
+        self.scheduler.add(waiting)
+        logits = []
+        try:
+            with compile_settings():
+                while self.scheduler.waiting:
+                    batch = self.scheduler.admit()
+                    if not batch:
+                        raise FlexInferenceError(f"a sequence of {self.scheduler.waiting[0].seq_len} tokens does not fit the page pool")
+                    logits_TV = self.runner.score(batch).cpu()
+                    for seq in batch:
+                        self.scheduler.release(seq)
+                    starts = [0] + [p + 1 for p in sequences_last_positions(batch)]
+                    logits += [logits_TV[start : start + seq.seq_len] for start, seq in zip(starts, batch)]
+        finally:
+            self.scheduler.abort()
+        return logits
+
+    @torch.inference_mode()
+    def capture_cuda_graphs(self, buckets: list[int] | None = None) -> None:
+        """One CUDA graph per decode batch bucket (default: all), largest first, in one memory pool."""
+        start = time.perf_counter()
+        with compile_settings():
+            bucket_s = self.runner.capture_cuda_graphs(buckets)
+        if bucket_s:
+            self.timings["capture_s"] = time.perf_counter() - start
+            self.timings["capture_s_per_bucket"] = bucket_s
+
+    def refresh_lora(self) -> None:
+        """Re-merges the PEFT model's current adapter into the inference weights (in place)."""
+        refresh_lora_merge_from_pristine(self.lora_targets, self.pristine_lora_weights, self.peft_model)
+
+
+def _progress_bar(total: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, disable=not enabled, unit="tok", dynamic_ncols=True, leave=False)
+
+
+def end_token_ids(causal_lm: nn.Module, tokenizer) -> set[int]:
+    """Every end id the model uses: generation config, model config and tokenizer."""
+    end_ids = eos_token_ids(getattr(causal_lm, "generation_config", None), causal_lm.config)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        end_ids.add(tokenizer.eos_token_id)
+    return end_ids
+
+
+def eos_token_ids(*configs) -> set[int]:
+    """The union of the `eos_token_id`s (an id or a list of them) of these configs; None ones are skipped."""
+    end_ids: set[int] = set()
+    for config in configs:
+        value = getattr(config, "eos_token_id", None) if config is not None else None
+        if value is not None:
+            end_ids |= set(value) if isinstance(value, (list, tuple)) else {value}
+    return end_ids
+
+
+def check_engine_limits(max_batch_size, max_seq_length, n_pages, page_size, max_new_tokens) -> None:
+    """Bad sizes fail here with one sentence, before anything is allocated."""
+    if max_batch_size < 1:
+        raise FlexInferenceError(f"max_batch_size must be at least 1, got {max_batch_size}", "max_batch_size")
+    if page_size < 16 or page_size & (page_size - 1):
+        raise FlexInferenceError(f"page_size must be a power of two of at least 16, got {page_size}", "page_size")
+    if max_seq_length % page_size:
+        raise FlexInferenceError(
+            f"max_seq_length ({max_seq_length}) must be a multiple of page_size ({page_size})", "max_seq_length"
+        )
+    if max_new_tokens < 1:
+        raise FlexInferenceError(f"max_new_tokens must be at least 1, got {max_new_tokens}", "max_new_tokens")
+    if (n_pages - 1) * page_size < max_seq_length:
+        raise FlexInferenceError(
+            f"the page pool ({n_pages} pages of {page_size}, one reserved) cannot hold even one sequence of "
+            f"max_seq_length {max_seq_length}: raise n_pages to at least {max_seq_length // page_size + 1}",
+            "n_pages",
+        )
+
+
+def attention_regimes(config) -> dict[str, int | None]:
+    """Attention regime -> its sliding window (None: full causal), in the order the layers first use them."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or [FULL_ATTENTION]
+    return {regime: (window if regime == SLIDING_ATTENTION else None) for regime in dict.fromkeys(layer_types)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Scheduler: batch slots, pages, admission, preemption, retirement
+# ---------------------------------------------------------------------------------------------
+
+
+class Scheduler:
+    """Who runs next, and on which pages. CPU bookkeeping only, so scheduling never waits on the GPU.
+
+    Sequences wait in `waiting` (first come, first served; a preempted one goes back to the front)
+    and decode in `running` (in admission order: the newest is preempted first). A running sequence
+    holds a batch slot (`slots`) and, in every attention regime's pool (`page_tables`), pages for
+    its tokens; a sliding-window pool recycles the pages that fall out of the window.
+    """
+
+    def __init__(
+        self,
+        page_tables: dict[str, PageTable],
+        sliding_windows: dict[str, int | None],
+        max_batch_size: int,
+        max_seq_length: int,
+        max_prefill_tokens: int,
+    ):
+        self.page_tables = page_tables  # attention regime -> its pool's page table
+        self.sliding_windows = sliding_windows  # attention regime -> window (None: full causal)
+        self.page_size = next(iter(page_tables.values())).page_size
+        self.max_seq_length = max_seq_length
+        self.max_prefill_tokens = max_prefill_tokens
+        self.slots = BatchSlots(max_batch_size + 1)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.holders: dict[int, Sequence] = {}  # batch slot -> the sequence holding it (and its pages)
+        # holds_until[batch_idx]: the first query position at which that slot's pages no longer
+        # fit (a new page is needed, or a windowed page can be recycled)
+        self.holds_until = [0] * (max_batch_size + 1)
+
+    @property
+    def is_done(self) -> bool:
+        return not self.waiting and not self.running
+
+    def add(self, sequences: list[Sequence]) -> None:
+        self.waiting.extend(sequences)
+
+    def can_admit(self, seq: Sequence) -> bool:
+        """Whether `seq` could start now: a free batch slot, and room for its tokens in every pool."""
+        return self.slots.can_allocate() and self.can_hold(seq)
+
+    def admit(self, max_tokens: int | None = None) -> list[Sequence]:
+        """Takes waiting sequences in order while they can start (and their tokens, all together,
+        stay within `max_tokens`); each gets a batch slot and pages for its tokens."""
+        admitted, num_tokens = [], 0
+        while self.waiting and self.can_admit(self.waiting[0]):
+            if max_tokens is not None and num_tokens + self.waiting[0].seq_len > max_tokens:
+                break
+            seq = self.waiting.popleft()
+            seq.batch_idx = self.slots.allocate()
+            self.holders[seq.batch_idx] = seq
+            self.hold(seq, seq.seq_len)
+            admitted.append(seq)
+            num_tokens += seq.seq_len
+        return admitted
+
+    def run(self, sequences: list[Sequence]) -> None:
+        """Admitted sequences join the decode batch once their prompt is prefilled."""
+        self.running += sequences
+
+    def first_needed_pos(self, regime: str, query_pos: int) -> int:
+        """The first position a query at `query_pos` sees in `regime` (HF: kv > q - window)."""
+        window = self.sliding_windows[regime]
+        return 0 if window is None else max(0, query_pos - window + 1)
+
+    def can_hold(self, seq: Sequence, query_pos: int | None = None) -> bool:
+        """Whether every pool has room for `seq`'s tokens, given the next query position
+        (default: the one after its last token, as after a prefill)."""
+        query_pos = seq.seq_len if query_pos is None else query_pos
+        batch_idx = seq.batch_idx if seq.batch_idx >= 0 else None
+        return all(
+            table.can_reserve(seq.seq_len, batch_idx, self.first_needed_pos(regime, query_pos))
+            for regime, table in self.page_tables.items()
+        )
+
+    def hold(self, seq: Sequence, query_pos: int) -> None:
+        """Pages for `seq`'s tokens in every pool; windowed pools first recycle what the query at
+        `query_pos` no longer sees."""
+        holds_until = self.max_seq_length
+        for regime, table in self.page_tables.items():
+            first_needed_pos = self.first_needed_pos(regime, query_pos)
+            table.trim(seq.batch_idx, first_needed_pos)
+            table.reserve(seq.batch_idx, seq.seq_len, first_needed_pos)
+            holds_until = min(holds_until, len(table.pages_of[seq.batch_idx]) * self.page_size)
+            window = self.sliding_windows[regime]
+            if window is not None:  # the next page to fall out of the window
+                holds_until = min(holds_until, (first_needed_pos // self.page_size + 1) * self.page_size + window - 1)
+        self.holds_until[seq.batch_idx] = holds_until
+
+    def pages_fit(self, seq: Sequence, query_pos: int) -> bool:
+        """Whether the pages `seq` holds already serve a query at `query_pos` (no page to add or recycle)."""
+        return query_pos < self.holds_until[seq.batch_idx]
+
+    def release(self, seq: Sequence) -> None:
+        """Gives back `seq`'s pages in every pool and its batch slot."""
+        for table in self.page_tables.values():
+            table.erase(seq.batch_idx)
+        self.slots.free(seq.batch_idx)
+        del self.holders[seq.batch_idx]
+        seq.batch_idx = -1
+
+    def retire(self) -> None:
+        """Finished sequences leave the decode batch and give back their pages."""
+        still_running = []
+        for seq in self.running:
+            if seq.finished:
+                self.release(seq)
+            else:
+                still_running.append(seq)
+        self.running = still_running
+
+    def reserve_or_preempt(self) -> None:
+        """Gives every running sequence room for its next token; when the pool runs dry, the newest
+        sequence is preempted (its pages freed) and recomputed from its tokens later."""
+        i = 0
+        while i < len(self.running):
+            seq = self.running[i]
+            # The next step writes the K/V of the last token, at position seq_len - 1; most steps
+            # cross no page boundary, so the pages held already fit.
+            if self.pages_fit(seq, seq.seq_len - 1):
+                i += 1
+                continue
+            if self.can_hold(seq, seq.seq_len - 1):
+                self.hold(seq, seq.seq_len - 1)
+                i += 1
+                continue
+            victim = self.running.pop()
+            self.release(victim)
+            victim.num_preemptions += 1
+            self.waiting.appendleft(victim)
+
+    def can_chain(self) -> bool:
+        """Whether the next decode step can be queued before the current one's tokens are read:
+        the same sequences go on, as none has finished, none reaches its length limit with the
+        current step's token, every one's next position fits its pages, and no waiting sequence
+        could start instead."""
+        for seq in self.running:
+            if seq.finished or len(seq.output_ids) + 1 >= seq.max_new_tokens or seq.seq_len + 1 >= self.max_seq_length:
+                return False
+            # the chained step writes the K/V of the token the current step samples, at position seq_len
+            if not self.pages_fit(seq, seq.seq_len):
+                return False
+        return not (self.waiting and self.can_admit(self.waiting[0]))
+
+    def abort(self) -> None:
+        """Forgets every sequence, giving back all slots and pages (after an error or an interrupt, too)."""
+        for seq in list(self.holders.values()):
+            self.release(seq)
+        self.running, self.waiting = [], deque()
+
+
+class BatchSlots:
+    """Hands out batch slots: the rows of every page table a sequence owns while it holds pages.
+    Slot 0 is reserved for the padding rows of a decode batch."""
+
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots  # including the reserved slot 0
+        self.free_slots = deque(range(1, num_slots))
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_slots)
+
+    def can_allocate(self) -> bool:
+        return len(self.free_slots) > 0
+
+    def allocate(self) -> int:
+        """Takes a free batch slot (never slot 0)."""
+        return self.free_slots.popleft()
+
+    def free(self, batch_idx: int) -> None:
+        self.free_slots.append(batch_idx)
 
 
 class PageTable:
-    """Maps each batch slot's logical KV blocks to physical pages of the shared KV pool.
+    """Maps each batch slot's logical KV blocks to physical pages of one shared KV pool.
 
-    Batch slot 0 and physical page 0 are reserved: padding rows of a decode batch point at slot 0,
-    whose every logical block maps to page 0, so their K/V writes land somewhere harmless.
-    Blocks a sliding window has left behind are trimmed: their pages go back to the pool and the
-    block maps to page 0, which the slot does not own (so its mask_mod rejects it).
-    All bookkeeping (free pages, free slots, each slot's capacity) lives on the CPU so that
-    scheduling never waits on the GPU; `flush()` mirrors the changes to the device in one copy.
+    Physical page 0 is reserved: every logical block of the padding slot 0 maps to it, so padding
+    rows of a decode batch write their K/V somewhere harmless. Blocks a sliding window has left
+    behind are trimmed: their pages go back to the pool and the block maps to page 0, which the
+    slot does not own (so its mask_mod rejects it). The bookkeeping (free pages, each slot's pages)
+    lives on the CPU; `flush()` mirrors the changes to the device tables in one copy each.
     """
 
-    def __init__(self, page_size: int, n_pages: int, max_batch_size: int, max_seq_length: int, device):
+    def __init__(self, page_size: int, n_pages: int, num_slots: int, max_seq_length: int, device):
         self.page_size = page_size
         self.n_pages = n_pages
-        self.max_batch_size = max_batch_size  # batch slots including the reserved slot 0
         self.max_logical_blocks = max_seq_length // page_size
         self.device = torch.device(device)
-        # page_table[batch_idx, logical_block_idx] -> physical_page_idx
-        self.page_table_cpu = torch.zeros(max_batch_size, self.max_logical_blocks, dtype=torch.int32)
+        # logical_to_physical[batch_idx, logical_block_idx] -> physical_page_idx
+        self.logical_to_physical_cpu = torch.zeros(num_slots, self.max_logical_blocks, dtype=torch.int32)
         # physical_to_logical[batch_idx, physical_page_idx] -> logical_block_idx, or -1 if not owned
-        self.physical_to_logical_cpu = torch.full((max_batch_size, n_pages), -1, dtype=torch.int32)
+        self.physical_to_logical_cpu = torch.full((num_slots, n_pages), -1, dtype=torch.int32)
         self.physical_to_logical_cpu[0, 0] = 0
-        self.page_table = self.page_table_cpu.to(self.device)
+        self.logical_to_physical = self.logical_to_physical_cpu.to(self.device)
         self.physical_to_logical = self.physical_to_logical_cpu.to(self.device)
-        mark_all_static(self.page_table, self.physical_to_logical)
+        mark_compile_shapes("static", self.logical_to_physical, self.physical_to_logical)
         self.free_pages = deque(range(1, n_pages))
-        self.free_batch_idx = deque(range(1, max_batch_size))
-        # physical page of each logical block, in logical order; None once trimmed
-        self.pages_of: list[list[int | None]] = [[] for _ in range(max_batch_size)]
+        # physical page of each logical block of each slot, in logical order; None once trimmed
+        self.pages_of: list[list[int | None]] = [[] for _ in range(num_slots)]
         self.is_dirty = False
 
     @property
@@ -138,13 +585,6 @@ class PageTable:
 
     def num_pages_of(self, batch_idx: int) -> int:
         return sum(page is not None for page in self.pages_of[batch_idx])
-
-    def can_allocate(self) -> bool:
-        return len(self.free_batch_idx) > 0
-
-    def allocate(self) -> int:
-        """Takes a free batch slot (never slot 0); it owns no pages yet."""
-        return self.free_batch_idx.popleft()
 
     def pages_needed(self, batch_idx: int | None, seq_len: int, first_needed_pos: int = 0) -> int:
         """New pages for slot `batch_idx` to cover `seq_len` tokens, skipping blocks wholly
@@ -173,7 +613,7 @@ class PageTable:
                 pages.append(None)  # already out of the window: never stored
                 continue
             physical_page_idx = self.free_pages.popleft()
-            self.page_table_cpu[batch_idx, logical_block_idx] = physical_page_idx
+            self.logical_to_physical_cpu[batch_idx, logical_block_idx] = physical_page_idx
             self.physical_to_logical_cpu[batch_idx, physical_page_idx] = logical_block_idx
             pages.append(physical_page_idx)
             self.is_dirty = True
@@ -185,22 +625,20 @@ class PageTable:
             physical_page_idx = pages[logical_block_idx]
             if physical_page_idx is not None:
                 self.physical_to_logical_cpu[batch_idx, physical_page_idx] = -1
-                self.page_table_cpu[batch_idx, logical_block_idx] = 0
+                self.logical_to_physical_cpu[batch_idx, logical_block_idx] = 0
                 self.free_pages.append(physical_page_idx)
                 pages[logical_block_idx] = None
                 self.is_dirty = True
 
-    def erase(self, batch_idx: int, release_slot: bool = True) -> None:
-        """Returns all of slot `batch_idx`'s pages (and, unless told otherwise, the slot) to the pools."""
+    def erase(self, batch_idx: int) -> None:
+        """Returns all of slot `batch_idx`'s pages to the pool."""
         self.trim(batch_idx, len(self.pages_of[batch_idx]) * self.page_size)
         self.pages_of[batch_idx] = []
-        if release_slot:
-            self.free_batch_idx.append(batch_idx)
 
     def flush(self) -> None:
         """Copies the CPU bookkeeping to the device tables (in place: captured graphs read them)."""
         if self.is_dirty:
-            self.page_table.copy_(self.page_table_cpu, non_blocking=True)
+            self.logical_to_physical.copy_(self.logical_to_physical_cpu, non_blocking=True)
             self.physical_to_logical.copy_(self.physical_to_logical_cpu, non_blocking=True)
             self.is_dirty = False
 
@@ -214,17 +652,504 @@ class PageTable:
             slots.append(0 if page is None else page * self.page_size + pos % self.page_size)
         return slots
 
-    def decode_blocks(self, input_pos_B: torch.Tensor, batch_idx_B: torch.Tensor, sliding_window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode_blocks(self, input_pos_B: torch.Tensor, batch_idx_B: torch.Tensor, sliding_window: int | None) -> tuple:
         """Each decode row's visible logical blocks (`visible_logical_blocks`) mapped to physical
         pages: (kv_num_blocks [B, 1, 1], kv_indices [B, 1, 1, n_pages]; only the first
         kv_num_blocks of each row are read), the block tensors of a PagedDecodeMask."""
         kv_num_blocks, logical_indices = visible_logical_blocks(input_pos_B, self.page_size, sliding_window, self.max_logical_blocks)
         B = input_pos_B.shape[0]
-        page_table_BL = self.page_table[batch_idx_B]
-        physical_BL = torch.gather(page_table_BL, 1, logical_indices.view(B, -1).long())
+        logical_to_physical_BL = self.logical_to_physical[batch_idx_B]
+        physical_BL = torch.gather(logical_to_physical_BL, 1, logical_indices.view(B, -1).long())
         # NOTE: the kernel checks kv_indices covers the whole KV length (n_pages blocks).
         physical_BP = nn.functional.pad(physical_BL, (0, self.n_pages - physical_BL.shape[1]))
         return kv_num_blocks, physical_BP.view(B, 1, 1, self.n_pages)
+
+
+def pool_pages(n_pages: int, sliding_window: int | None, max_batch_size: int, page_size: int) -> int:
+    """Pages of one attention regime's pool: `n_pages`, or for a sliding window only what
+    `max_batch_size` sequences can hold at once (the window, the page being written, slack)."""
+    if sliding_window is None:
+        return n_pages
+    pages_per_sequence = -(-sliding_window // page_size) + 2
+    return min(n_pages, max_batch_size * pages_per_sequence + 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Model runner: packed prefill, the decode step, CUDA graphs
+# ---------------------------------------------------------------------------------------------
+
+
+class ModelRunner:
+    """Runs the model over the paged KV cache: packed prefill, and the decode step (eager,
+    compiled by regions, or replayed from a CUDA graph per batch bucket).
+
+    It patches the HF model's attention to attend over the paged cache and otherwise runs HF's own
+    decoder layers. The model-specific hooks (`attention_layers`, `build_kv_caches`,
+    `patch_attention`, `embed`, `layer_kwargs`, `prefill_hidden`, `logits`) serve Qwen3 and Llama;
+    `Gemma4ModelRunner` overrides them.
+    """
+
+    def __init__(
+        self,
+        causal_lm: nn.Module,
+        page_tables: dict[str, PageTable],
+        sliding_windows: dict[str, int | None],
+        max_batch_size: int,
+        decode_kernel_options: dict | None = None,
+        prefill_kernel_options: dict | None = None,
+        fa4_prefill: bool | None = None,
+        compile_decode: bool = False,
+        fuse_projections: bool = False,
+        skinny_gemms: bool = True,
+        is_lora_merged: bool = False,
+    ):
+        self.causal_lm = causal_lm
+        self.decoder = causal_lm.model
+        self.config = causal_lm.config
+        self.page_tables = page_tables  # attention regime -> page table (the scheduler's; flushed here)
+        self.sliding_windows = sliding_windows  # attention regime -> window (None: full causal)
+        self.page_size = next(iter(page_tables.values())).page_size
+        self.device = next(causal_lm.parameters()).device
+        self.dtype = self.decoder.embed_tokens.weight.dtype
+        self.kv_caches = self.build_kv_caches()
+        head_dims = sorted({attn.head_dim for attn in self.attention_layers()})
+        cache_head_dims = {cache.k_cache.shape[-1] for cache in self.kv_caches if cache is not None}
+        self.fa4_prefill = resolve_fa4_prefill(fa4_prefill, cache_head_dims, self.device)
+        self.kernel_options = {
+            head_dim: KernelOptions.pick(head_dim, self.device, self.dtype, self.fa4_prefill, prefill_kernel_options, decode_kernel_options)
+            for head_dim in head_dims
+        }
+        self.patch_attention()
+        if fuse_projections:
+            fuse_decoder_projections(self.decoder, is_lora_merged)
+        if skinny_gemms:
+            route_linears_through_skinny([*self.decoder.modules(), causal_lm.lm_head])
+
+        # compile_decode: the decode step is compiled by regions, each with a symbolic batch size so
+        # one compile serves every bucket: the prologue (masks, cache slots, embeddings), one
+        # decoder layer, the epilogue (final norm, logits, greedy tokens). Norms, RoPE, residuals
+        # and PLE fuse inside a layer, and layers of one kind share a compiled graph; a whole-step
+        # graph took far longer to compile (scripts/benchmarks/README.md). CUDA graphs then capture
+        # the step per bucket.
+        # NOTE: torch.compile specializes a size of 1, so the compiled step's buckets start at 2 (a
+        # single sequence decodes beside one padding row): one compile instead of two.
+        self.compile_decode = compile_decode
+        compile_region = (lambda fn: torch.compile(fn, fullgraph=True, dynamic=False)) if compile_decode else (lambda fn: fn)
+        self.decode_prologue = compile_region(self._decode_prologue)
+        self.decode_layer = compile_region(call_layer)
+        self.decode_epilogue = compile_region(self._decode_epilogue)
+        self.buckets = batch_buckets(max_batch_size, smallest=2 if compile_decode else 1)
+        # Static decode inputs, read in place by the CUDA graphs: token ids, positions, batch slots
+        # (rows 0..B-1 of each).
+        self.static_step_inputs = torch.zeros(3, max_batch_size, dtype=torch.long, device=self.device)
+        # Two host buffers for sampled tokens: one being read while the next step fills the other.
+        self.host_next_ids = torch.zeros(2, max_batch_size, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        self.num_decode_launches = 0
+        self.cuda_graphs: dict[int, tuple] = {}  # bucket -> (graph, next_ids [bucket], logits [bucket, V])
+        self.graph_pool = None
+
+    # --- model-specific hooks (Gemma4ModelRunner overrides these) --------------------------
+
+    def attention_layers(self) -> list[nn.Module]:
+        return [layer.self_attn for layer in self.decoder.layers]
+
+    def build_kv_caches(self) -> list[PagedKVCache | None]:
+        """One paged cache per layer (None for a layer that reads another layer's cache)."""
+        pool = self.page_tables[FULL_ATTENTION]
+        return [
+            PagedKVCache(pool.n_pages, self.page_size, self.config.num_key_value_heads, attn.head_dim, self.dtype, self.device)
+            for attn in self.attention_layers()
+        ]
+
+    def patch_attention(self) -> None:
+        if any(window is not None for window in self.sliding_windows.values()):
+            raise FlexInferenceError("this checkpoint has sliding-window layers, which the Qwen3/Llama walker does not run")
+        for attn in self.attention_layers():
+            attn.forward = qwen3_llama_attention_forward.__get__(attn)
+
+    def embed(self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """The token embeddings [B, S, hidden] and what the layers read besides (RoPE cos/sin)."""
+        hidden_BSE = self.decoder.embed_tokens(input_ids_BS)
+        return hidden_BSE, {"position_embeddings": self.decoder.rotary_emb(hidden_BSE, position_ids_BS)}
+
+    def layer_kwargs(self, layer_idx: int, layer_inputs: dict, step: PrefillStep | DecodeStep) -> dict:
+        """Decoder layer `layer_idx`'s keyword arguments besides its hidden states."""
+        return dict(
+            position_embeddings=layer_inputs["position_embeddings"], attention_mask=None, layer_step=step.for_layer(layer_idx)
+        )
+
+    def prefill_hidden(self, input_ids_1T, position_ids_1T, step: PrefillStep, last_positions_N) -> torch.Tensor:
+        """Hidden states [1, N, hidden] at each packed sequence's last position."""
+        return self.forward_hidden(input_ids_1T, position_ids_1T, step)[:, last_positions_N]
+
+    def logits(self, hidden_NE: torch.Tensor) -> torch.Tensor:
+        return self.causal_lm.lm_head(hidden_NE).float()
+
+    # --- the layer walk ----------------------------------------------------------------------
+
+    def run_layers(self, hidden_BSE, layer_inputs: dict, step, layer_indices: range, run_layer=None) -> torch.Tensor:
+        """Runs decoder layers `layer_indices` in order through `run_layer` (default: HF's own
+        forward); returns their output."""
+        run_layer = run_layer or call_layer
+        for layer_idx in layer_indices:
+            hidden_BSE = run_layer(self.decoder.layers[layer_idx], hidden_BSE, **self.layer_kwargs(layer_idx, layer_inputs, step))
+        return hidden_BSE
+
+    def forward_hidden(self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor, step) -> torch.Tensor:
+        """Walks every decoder layer. Returns the final-normed hidden states [B, S, hidden]."""
+        hidden_BSE, layer_inputs = self.embed(input_ids_BS, position_ids_BS)
+        hidden_BSE = self.run_layers(hidden_BSE, layer_inputs, step, range(len(self.decoder.layers)))
+        return self.decoder.norm(hidden_BSE)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return sum(cache.bytes_per_token for cache in self.kv_caches if cache is not None)
+
+    def restore_model(self) -> None:
+        """Gives the model back its own forwards (HF generate works again); the runner is
+        unusable afterwards."""
+        for module in [*self.decoder.modules(), self.causal_lm.lm_head]:
+            module.__dict__.pop("forward", None)
+            module.__dict__.pop("is_skinny", None)
+
+    def flush_page_tables(self) -> None:
+        for table in self.page_tables.values():
+            table.flush()
+
+    # --- packed prefill ------------------------------------------------------------------------
+
+    def pack(self, sequences: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, PrefillStep]:
+        """Packs all `sequences` (already holding pages) into one prefill row.
+
+        Returns input_ids [1, T], position_ids [1, T] and the PrefillStep; T is padded to a multiple
+        of 128 so lengths reuse compiled kernels. Padding is a document of its own and writes into
+        the reserved page 0.
+        """
+        regimes = list(self.page_tables)
+        token_ids, position_ids, document_ids = [], [], []
+        physical_slots = {regime: [] for regime in regimes}
+        for doc_idx, seq in enumerate(sequences):
+            ids = seq.token_ids
+            token_ids += ids
+            position_ids += range(len(ids))
+            document_ids += [doc_idx] * len(ids)
+            for regime, table in self.page_tables.items():
+                physical_slots[regime] += table.physical_slots(seq.batch_idx, 0, len(ids))
+        num_padding = -len(token_ids) % 128
+        token_ids += [0] * num_padding
+        position_ids += [0] * num_padding
+        document_ids += [len(sequences)] * num_padding
+        # One host->device copy for all step inputs: [3 + regimes, T].
+        rows = [token_ids, position_ids, document_ids] + [physical_slots[r] + [0] * num_padding for r in regimes]
+        inputs_RT = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+        document_id_T = inputs_RT[2]
+        self.flush_page_tables()
+        step = PrefillStep(
+            block_masks=packed_block_masks(document_id_T, self.sliding_windows, self.device),
+            physical_slots={regime: inputs_RT[3 + i] for i, regime in enumerate(regimes)},
+            kv_caches=self.kv_caches,
+            packed_kv=[None if cache is None else PackedKV() for cache in self.kv_caches],
+            kernel_options=self.kernel_options,
+            document_id_T=document_id_T,
+        )
+        return inputs_RT[0:1], inputs_RT[1:2], step
+
+    def prefill(self, sequences: list[Sequence]) -> tuple[list[int], torch.Tensor]:
+        """Runs the admitted `sequences` in one packed row, writing their K/V; returns each one's
+        next token and the logits at its last position [N, V]."""
+        input_ids_1T, position_ids_1T, step = self.pack(sequences)
+        last_positions_N = torch.tensor(sequences_last_positions(sequences), device=self.device)
+        logits_NV = self.logits(self.prefill_hidden(input_ids_1T, position_ids_1T, step, last_positions_N)[0])
+        return logits_NV.argmax(-1).tolist(), logits_NV  # the one device->host sync of this prefill
+
+    def score(self, sequences: list[Sequence]) -> torch.Tensor:
+        """Teacher-forced logits [T, V] of the packed row of `sequences` (padding included)."""
+        return self.logits(self.forward_hidden(*self.pack(sequences))[0])
+
+    # --- the decode step -----------------------------------------------------------------------
+
+    def _decode_prologue(self, input_ids_B, input_pos_B, batch_idx_B) -> tuple[dict, torch.Tensor, dict]:
+        """The decode step before the layers. Returns, per regime, the rows' visible pages
+        (kv_num_blocks, kv_indices) and cache slots; the embeddings [B, 1, hidden]; the layer inputs."""
+        regime_tensors = {}
+        for regime, table in self.page_tables.items():
+            kv_num_blocks, kv_indices = table.decode_blocks(input_pos_B, batch_idx_B, self.sliding_windows[regime])
+            # logical_to_physical[batch_idx, logical_block] -> physical_page; cache row = page * page_size + offset
+            physical_page_B = table.logical_to_physical[batch_idx_B, input_pos_B // self.page_size].long()
+            regime_tensors[regime] = (kv_num_blocks, kv_indices, physical_page_B * self.page_size + input_pos_B % self.page_size)
+        hidden_B1E, layer_inputs = self.embed(input_ids_B[:, None], input_pos_B[:, None])
+        return regime_tensors, hidden_B1E, layer_inputs
+
+    def _decode_epilogue(self, hidden_B1E: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Final norm, logits [B, V] and greedy tokens [B]."""
+        logits_BV = self.logits(self.decoder.norm(hidden_B1E)[:, -1])
+        return greedy_tokens(logits_BV), logits_BV
+
+    def _run_decode_layer(self, layer: nn.Module, hidden_B1E: torch.Tensor, **layer_kwargs) -> torch.Tensor:
+        """One decoder layer of the decode step (compiled: its batch-sized inputs marked symbolic)."""
+        layer_tensors = [t for t in torch.utils._pytree.tree_leaves(layer_kwargs) if isinstance(t, torch.Tensor)]
+        mark_compile_shapes("batch", hidden_B1E, *layer_tensors, is_batch_symbolic=self.compile_decode)
+        return self.decode_layer(layer, hidden_B1E, **layer_kwargs)
+
+    def _decode_step(self, input_ids_B, input_pos_B, batch_idx_B) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token for every row: tensor ops only (no host sync), so it can be graph-captured.
+
+        Returns (next_ids [B], logits [B, V]).
+        """
+        # NOTE: no duck sizing while the regions compile: it makes one symbol of every two sizes
+        # that happen to be equal (a PLE slice's storage offset and a batch slot row's, say), and
+        # the next layer or bucket then fails the guard and compiles again.
+        with fx_config.patch(use_duck_shape=False) if self.compile_decode else contextlib.nullcontext():
+            regime_tensors, hidden_B1E, layer_inputs = self.decode_prologue(input_ids_B, input_pos_B, batch_idx_B)
+            masks, physical_slots = {}, {}
+            for regime, (kv_num_blocks, kv_indices, physical_slots_B) in regime_tensors.items():
+                mark_compile_shapes("static_batch", kv_num_blocks, kv_indices, is_batch_symbolic=self.compile_decode)
+                mark_compile_shapes("batch", physical_slots_B, is_batch_symbolic=self.compile_decode)
+                table = self.page_tables[regime]
+                masks[regime] = PagedDecodeMask(
+                    kv_num_blocks, kv_indices, input_pos_B, batch_idx_B, table.physical_to_logical, self.page_size, self.sliding_windows[regime]
+                )
+                physical_slots[regime] = physical_slots_B
+            step = DecodeStep(masks, physical_slots, self.kv_caches, self.kernel_options)
+            hidden_B1E = self.run_layers(hidden_B1E, layer_inputs, step, range(len(self.decoder.layers)), self._run_decode_layer)
+            mark_compile_shapes("batch", hidden_B1E, is_batch_symbolic=self.compile_decode)
+            return self.decode_epilogue(hidden_B1E)
+
+    def _static_step_inputs(self, bucket: int) -> list[torch.Tensor]:
+        """Rows 0..bucket-1 of the static token ids, positions and batch slots."""
+        input_ids_B, input_pos_B, batch_idx_B = self.static_step_inputs[:, :bucket]
+        mark_compile_shapes("batch", input_ids_B, is_batch_symbolic=self.compile_decode)
+        # positions and slots also cross into flex_attention (its mask_mod reads them)
+        mark_compile_shapes("static_batch", input_pos_B, batch_idx_B, is_batch_symbolic=self.compile_decode)
+        return [input_ids_B, input_pos_B, batch_idx_B]
+
+    def launch_decode(self, rows: list[Sequence], use_graph: bool, previous: DecodeLaunch | None = None) -> DecodeLaunch:
+        """Queues one decode step for `rows` and returns without waiting for it.
+
+        Fresh steps take their inputs from the host bookkeeping. A chained step (`previous`, the
+        step just queued for the same rows) takes the tokens `previous` sampled, on the device, one
+        position further: the GPU runs it while the host reads and books `previous`'s tokens.
+        """
+        B = len(rows)
+        # Eager decode pads to the same buckets as the graphs: one compiled kernel per bucket.
+        bucket = next(b for b in self.buckets if b >= B)
+        if previous is None:
+            # Rows: last token, its position, batch slot; padding rows aim at the reserved slot 0.
+            padding = [0] * (bucket - B)
+            step_inputs = torch.tensor([
+                [seq.output_ids[-1] for seq in rows] + padding,  # a running sequence has output
+                [seq.seq_len - 1 for seq in rows] + padding,
+                [seq.batch_idx for seq in rows] + padding,
+            ])  # fmt: skip
+            self.flush_page_tables()
+            self.static_step_inputs[:, :bucket].copy_(step_inputs, non_blocking=True)
+        else:
+            self.static_step_inputs[0, :B].copy_(previous.next_ids[:B])
+            self.static_step_inputs[1, :B] += 1
+        if use_graph:
+            graph, next_ids, logits = self.cuda_graphs[bucket]
+            graph.replay()
+        else:
+            next_ids, logits = self._decode_step(*self._static_step_inputs(bucket))
+        # The tokens go to a host buffer of their own: a chained step overwrites a graph's outputs.
+        host_ids = self.host_next_ids[self.num_decode_launches % 2]
+        self.num_decode_launches += 1
+        host_ids[:B].copy_(next_ids[:B], non_blocking=True)
+        is_done = None
+        if self.device.type == "cuda":
+            is_done = torch.cuda.Event()
+            is_done.record()
+        logits_BV = logits[:B].clone() if any(seq.record_logits for seq in rows) else None
+        return DecodeLaunch(rows, next_ids, host_ids, is_done, logits_BV)
+
+    def capture_cuda_graphs(self, buckets: list[int] | None = None) -> dict[int, float]:
+        """One graph per batch bucket (default: all), largest first, all in one memory pool.
+        Returns the seconds each newly captured bucket took (warm-up included)."""
+        if self.device.type != "cuda":
+            raise FlexInferenceError("CUDA graphs need a CUDA device", "capture_cudagraph")
+        buckets = [b for b in (buckets or self.buckets) if b not in self.cuda_graphs]
+        self.flush_page_tables()
+        bucket_s = {}
+        for bucket in sorted(buckets, reverse=True):
+            start = time.perf_counter()
+            self.static_step_inputs[:, :bucket].zero_()  # every row a padding row: slot 0, page 0
+            step_inputs = self._static_step_inputs(bucket)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # eager warm-up compiles this bucket's kernels
+                self._decode_step(*step_inputs)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.graph_pool):
+                next_ids, logits = self._decode_step(*step_inputs)
+            self.graph_pool = graph.pool()
+            self.cuda_graphs[bucket] = (graph, next_ids, logits)
+            bucket_s[bucket] = time.perf_counter() - start
+        if bucket_s:
+            torch.cuda.synchronize()
+        return bucket_s
+
+
+@dataclass
+class DecodeLaunch:
+    """A decode step queued on the device; `read()` waits for its sampled tokens."""
+
+    rows: list[Sequence]
+    next_ids: torch.Tensor  # [bucket] on the device
+    host_ids: torch.Tensor  # [max_batch_size] host buffer (pinned on CUDA) the tokens are copied into
+    is_done: torch.cuda.Event | None  # None on the CPU, where every copy is synchronous
+    logits_BV: torch.Tensor | None  # kept only when a row records its logits
+
+    def read(self) -> list[int]:
+        if self.is_done is not None:
+            self.is_done.synchronize()  # the one device->host sync per decode step
+        return self.host_ids[: len(self.rows)].tolist()
+
+
+def sequences_last_positions(sequences: list[Sequence]) -> list[int]:
+    """Index of each sequence's last token in the packed prefill row."""
+    ends, total = [], 0
+    for seq in sequences:
+        total += seq.seq_len
+        ends.append(total - 1)
+    return ends
+
+
+def batch_buckets(max_batch_size: int, smallest: int = 1) -> list[int]:
+    """smallest, 2 * smallest, ... up to max_batch_size (always included)."""
+    buckets, size = [], min(smallest, max_batch_size)
+    while size < max_batch_size:
+        buckets.append(size)
+        size *= 2
+    return buckets + [max_batch_size]
+
+
+def call_layer(layer: nn.Module, hidden_states: torch.Tensor, **layer_kwargs) -> torch.Tensor:
+    """One decoder layer (HF's own forward). With compile_decode the runner compiles this once:
+    layers of one kind (same shapes and attention regime) then share one compiled graph."""
+    return layer(hidden_states, **layer_kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention over the paged cache: per-step views, the KV cache, block masks, the decode op
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PackedKV:
+    """Prefill: the fresh K/V [1, H_kv, T, D] a cache-owning layer wrote. Its own queries attend
+    over it, and so do the KV-shared layers that read that layer's cache (Gemma-4): this holder is
+    the writer's output and their input."""
+
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+
+
+@dataclass
+class PrefillStep:
+    """A packed prefill as the layers see it: every admitted prompt in one row ([1, H, T, D]),
+    attending over its own fresh K/V with a document-causal mask."""
+
+    block_masks: dict[str, BlockMask]  # attention regime -> mask over the packed row
+    physical_slots: dict[str, torch.Tensor]  # attention regime -> [T] cache row of every packed token
+    kv_caches: list[PagedKVCache | None]  # per layer; None for layers that own no cache
+    packed_kv: list[PackedKV | None]  # per layer, beside its cache
+    kernel_options: dict[int, KernelOptions]  # head_dim -> options
+    document_id_T: torch.Tensor  # which sequence each packed token belongs to
+
+    def for_layer(self, cache_layer_idx: int, regime: str = FULL_ATTENTION) -> PrefillLayerStep:
+        """The step as one layer sees it: the cache it writes (or, KV-shared, reads) and its regime's mask."""
+        return PrefillLayerStep(
+            self.kv_caches[cache_layer_idx],
+            self.packed_kv[cache_layer_idx],
+            self.block_masks[regime],
+            self.physical_slots[regime],
+            self.kernel_options,
+        )
+
+
+@dataclass
+class PrefillLayerStep:
+    """One layer's view of a PrefillStep; the patched attention calls `attend`."""
+
+    cache: PagedKVCache
+    packed_kv: PackedKV
+    block_mask: BlockMask
+    physical_slots: torch.Tensor  # [T] cache row of every packed token
+    kernel_options: dict[int, KernelOptions]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, scale: float) -> torch.Tensor:
+        """Writes k/v into the cache and the packed K/V (None: a KV-shared layer, which reads its
+        store layer's), then flex-attends over the packed K/V.
+
+        q: [1, H, T, D]; k, v: [1, H_kv, T, D]; returns [1, H, T, D].
+        """
+        if k is not None:
+            self.cache.write(k, v, self.physical_slots)
+            self.packed_kv.k, self.packed_kv.v = k, v
+        k, v = self.packed_kv.k, self.packed_kv.v
+        mark_compile_shapes("packed", q, k, v)
+        return flex_attention_compiled(
+            q,
+            k,
+            v,
+            block_mask=self.block_mask,
+            scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+            kernel_options=self.kernel_options[q.shape[-1]].prefill,
+        )
+
+
+@dataclass
+class DecodeStep:
+    """A decode step as the layers see it: one query token per row ([B, H, 1, D]), attending over
+    the paged cache."""
+
+    masks: dict[str, PagedDecodeMask]  # attention regime -> the rows' visible pages
+    physical_slots: dict[str, torch.Tensor]  # attention regime -> [B] cache row of each row's token
+    kv_caches: list[PagedKVCache | None]  # per layer; None for layers that own no cache
+    kernel_options: dict[int, KernelOptions]  # head_dim -> options
+
+    def for_layer(self, cache_layer_idx: int, regime: str = FULL_ATTENTION) -> DecodeLayerStep:
+        """The step as one layer sees it: the cache it writes (or, KV-shared, reads) and its regime's mask.
+
+        NOTE: picked here, outside the layer, so a compiled layer reads no layer index: dynamo
+        specialises on every int it reads, and would compile each layer on its own.
+        """
+        return DecodeLayerStep(self.kv_caches[cache_layer_idx], self.masks[regime], self.physical_slots[regime], self.kernel_options)
+
+
+@dataclass
+class DecodeLayerStep:
+    """One layer's view of a DecodeStep; the patched attention calls `attend`."""
+
+    cache: PagedKVCache
+    mask: PagedDecodeMask
+    physical_slots: torch.Tensor  # [B] cache row of each row's token
+    kernel_options: dict[int, KernelOptions]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, scale: float) -> torch.Tensor:
+        """Writes k/v (None: a KV-shared layer) into the cache, then attends over the rows' pages.
+
+        q: [B, H, 1, D]; k, v: [B, H_kv, 1, D]; returns [B, H, 1, D].
+        """
+        if k is not None:
+            self.cache.write(k, v, self.physical_slots)
+        mask = self.mask
+        return paged_decode_attention(
+            q,
+            self.cache.k_cache,
+            self.cache.v_cache,
+            mask.kv_num_blocks,
+            mask.kv_indices,
+            mask.input_pos_B,
+            mask.batch_idx_B,
+            mask.physical_to_logical,
+            mask.page_size,
+            mask.sliding_window,
+            float(scale),
+            self.kernel_options[q.shape[-1]].decode,
+        )
 
 
 class PagedKVCache:
@@ -235,7 +1160,7 @@ class PagedKVCache:
         # k_cache, v_cache: [1, H_kv, n_pages * page_size, D]; row = physical_page * page_size + offset
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
-        mark_all_static(self.k_cache, self.v_cache)
+        mark_compile_shapes("static", self.k_cache, self.v_cache)
 
     @property
     def bytes_per_token(self) -> int:
@@ -249,11 +1174,6 @@ class PagedKVCache:
         # into a copy of the entire cache per write.
         self.k_cache[:, :, physical_slots] = k.transpose(0, 1).reshape(1, H, B * S, D)
         self.v_cache[:, :, physical_slots] = v.transpose(0, 1).reshape(1, H, B * S, D)
-
-
-# ---------------------------------------------------------------------------------------------
-# Block masks
-# ---------------------------------------------------------------------------------------------
 
 
 def causal_mask_mod(sliding_window: int | None = None):
@@ -285,6 +1205,20 @@ def gathered_rows_mask_mod(mask_mod, row_idx_N: torch.Tensor):
         return mask_mod(b, h, row_idx_N[q_idx], kv_idx)
 
     return gathered
+
+
+def packed_block_masks(document_id_T: torch.Tensor, sliding_windows: dict, device, query_rows_N: torch.Tensor | None = None) -> dict:
+    """Each attention regime's document-causal BlockMask over a packed row of T tokens; with
+    `query_rows_N`, for those query rows only ([N, T])."""
+    T = len(document_id_T)
+    masks = {}
+    for regime, window in sliding_windows.items():
+        mask_mod = document_causal_mask_mod(document_id_T, window)
+        if query_rows_N is None:
+            masks[regime] = create_block_mask(mask_mod, None, None, T, T, device=device)
+        else:
+            masks[regime] = create_block_mask(gathered_rows_mask_mod(mask_mod, query_rows_N), None, None, len(query_rows_N), T, device=device)
+    return masks
 
 
 def offset_mask_mod(mask_mod, input_pos_B: torch.Tensor):
@@ -341,12 +1275,12 @@ class PagedDecodeMask:
     batch_idx_B: torch.Tensor  # each row's batch slot
     physical_to_logical: torch.Tensor  # [slots, n_pages] -> logical block, -1 if not owned
     page_size: int
-    sliding_window: int  # 0: full causal
+    sliding_window: int | None  # None: full causal
 
     def block_mask(self) -> BlockMask:
         """One query row per sequence over the whole pool. seq_lengths must equal the real q/kv
         lengths (torch >= 2.9 checks); no q blocks are needed without a backward pass."""
-        logical_mask_mod = offset_mask_mod(causal_mask_mod(self.sliding_window or None), self.input_pos_B)
+        logical_mask_mod = offset_mask_mod(causal_mask_mod(self.sliding_window), self.input_pos_B)
         full_blocks = (None, None)
         if self.kv_indices.device.type == "cpu":
             # NOTE: torch's C++ flex kernel does not compile without full blocks: give it none.
@@ -362,43 +1296,6 @@ class PagedDecodeMask:
         )
 
 
-# ---------------------------------------------------------------------------------------------
-# flex_attention, kernel options, rotary
-# ---------------------------------------------------------------------------------------------
-
-# NOTE: compiled once for the whole process. FLEX_COMPILE_MODE picks another torch.compile mode
-# (e.g. "max-autotune-no-cudagraphs"); prefill lengths become dynamic after the second one seen.
-flex_attention_compiled = torch.compile(flex_attention, fullgraph=True, mode=os.environ.get("FLEX_COMPILE_MODE") or None)
-
-
-def default_kernel_options(is_prefill: bool, head_dim: int, device: torch.device) -> dict:
-    """Kernel options measured on an H200 (torch 2.11, bf16, E2B heads: 8 query, 1 KV) per head_dim.
-
-    NOTE: at head_dim 512 the default prefill tiles need 256 KB of shared memory (the limit is
-    227 KB); 32x32 tiles fit and are the fastest that do. Decode over a 1024-page pool, 3 pages a
-    row, partial blocks (as the engine runs it): head_dim 256 is fastest with BLOCK_N 32 and one
-    stage (14 us at batch 64, against 19 by default); at head_dim 512 that choice took 60-201 us at
-    batch 1-64, and BLOCK_N 16 with one stage 14-27 us. scripts/benchmarks/flex_kernel_options.py
-    measures them all; paged_decode_attention adds the batch-dependent SPLIT_KV.
-    """
-    if device.type != "cuda" or head_dim <= 128:
-        return {}
-    if is_prefill:
-        return {"BLOCK_M": 32, "BLOCK_N": 32} if head_dim > 256 else {"BLOCK_M": 64, "BLOCK_N": 64}
-    return {"BLOCK_N": 16 if head_dim > 256 else 32, "num_stages": 1}
-
-
-def mark_all_static(*tensors) -> None:
-    """Keeps torch.compile from treating any dimension of these tensors as dynamic (a no-op while
-    tracing: marks count only on the inputs of a compiled call)."""
-    if torch.compiler.is_compiling():
-        return
-    for t in tensors:
-        if t is not None:
-            for dim in range(t.dim()):
-                torch._dynamo.mark_static(t, dim)
-
-
 @torch.library.custom_op("flex_inference::paged_decode_attention", mutates_args=())
 def paged_decode_attention(
     q: torch.Tensor,
@@ -410,7 +1307,7 @@ def paged_decode_attention(
     batch_idx_B: torch.Tensor,
     physical_to_logical: torch.Tensor,
     page_size: int,
-    sliding_window: int,
+    sliding_window: int | None,
     scale: float,
     kernel_options: str,
 ) -> torch.Tensor:
@@ -418,19 +1315,16 @@ def paged_decode_attention(
 
     An opaque op, so a compiled decode step with a symbolic batch size still calls flex_attention's
     decode kernel compiled for the concrete batch bucket: traced into the symbolic-batch graph,
-    that kernel ran ~4x slower on an H200 (2.57 vs 0.64 ms a step at batch 64).
+    that kernel ran several times slower (scripts/benchmarks/README.md).
     """
     block_mask = PagedDecodeMask(
         kv_num_blocks, kv_indices, input_pos_B, batch_idx_B, physical_to_logical, page_size, sliding_window
     ).block_mask()
-    # NOTE: automatic dynamic shapes would make a dimension symbolic once a second value is seen;
-    # decode wants everything static (the CPU kernel indexes out of bounds with a symbolic KV
-    # length). The caches and page tables are marked static when they are made.
-    mark_all_static(q, *block_mask.as_tuple()[2:6])
+    mark_compile_shapes("static", q, *block_mask.as_tuple()[2:6])
     options = json.loads(kernel_options)
     if q.is_cuda and q.shape[0] <= 8 and q.shape[-1] == 256:
-        # NOTE: flex's default SPLIT_KV is 2 x SMs / rows (264 at batch 1), and only the splits that
-        # a row's few pages reach do work; 16 splits took 7 us at batch 1 against 12 (H200, sweep).
+        # NOTE: flex's default SPLIT_KV is 2 x SMs / rows, and only the splits that a row's few
+        # pages reach do work; 16 splits are faster at small batches (kernel-option sweep).
         options.setdefault("SPLIT_KV", 16)
     out = flex_attention_compiled(
         q, k_cache, v_cache, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k_cache.shape[1], kernel_options=options
@@ -443,12 +1337,109 @@ def _paged_decode_attention_shape(q, *args):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
 
 
-def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """HF's rotate-half RoPE. x: [B, H, S, D]; cos, sin: [B, S, D] from the model's own rotary module."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+# ---------------------------------------------------------------------------------------------
+# Tokens out
+# ---------------------------------------------------------------------------------------------
+
+
+def greedy_tokens(logits_BV: torch.Tensor) -> torch.Tensor:
+    """logits_BV.argmax(-1), the first index of each row's maximum, in two stages: the maximum of
+    each of C chunks of the vocabulary, then of the chunks.
+
+    NOTE: one reduction over a long vocabulary row runs as one program per row, slow at batch 1
+    (scripts/benchmarks/README.md); C chunks per row give the compiled step C times the programs.
+    """
+    B, V = logits_BV.shape
+    num_chunks = min(V & -V, 256)  # the largest power of two up to 256 that divides V
+    chunk_max_BC, chunk_argmax_BC = logits_BV.view(B, num_chunks, V // num_chunks).max(-1)
+    best_chunk_B = chunk_max_BC.argmax(-1)  # the first chunk holding the row's maximum
+    return best_chunk_B * (V // num_chunks) + chunk_argmax_BC.gather(1, best_chunk_B[:, None]).squeeze(1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels: compiled flex_attention, its options, the compile-shape policy
+# ---------------------------------------------------------------------------------------------
+
+# Compiled once for the whole process; prefill lengths become dynamic after the second one seen.
+flex_attention_compiled = torch.compile(flex_attention, fullgraph=True)
+
+
+def compile_settings():
+    """The dynamo settings the engine's compiled calls need, set around them (importing this
+    module changes none).
+
+    NOTE: every distinct prefill length, head_dim and decode batch bucket is its own compiled
+    specialisation; the default limit of 8 would silently fall back to eager flex attention.
+    """
+    return torch._dynamo.config.patch(recompile_limit=256, accumulated_recompile_limit=4096)
+
+
+def mark_compile_shapes(role: str, *tensors: torch.Tensor | None, is_batch_symbolic: bool = False) -> None:
+    """The one compile-shape policy: which dimensions of a compiled call's inputs torch.compile
+    may treat as symbolic, by the role the tensor plays.
+
+    - "static": every dimension static. The KV caches and page tables (marked when made: a mark
+      added after a compiled region first saw them would recompile it), and q and the mask
+      tensors inside the decode attention op: flex's decode kernel is compiled per batch bucket
+      (and the CPU kernel indexes out of bounds with a symbolic KV length).
+    - "packed": prefill's q, k, v: only the packed length (dim 2) may become dynamic.
+    - "batch": inputs of the compiled decode regions (prologue, layer, epilogue): with
+      `is_batch_symbolic` (compile_decode) dim 0, the batch, is symbolic, so one compile serves
+      every bucket; a weak mark, so a graph that needs a fixed size (a bucket of 1) specialises it.
+    - "static_batch": decode region inputs that also cross into flex_attention (positions, batch
+      slots, the block tensors of the masks): static in every dimension, except that the regions
+      see dim 0 as "batch" does (a weak dynamic mark takes precedence over a static one).
+
+    NOTE: without marks, automatic dynamic shapes make a dimension symbolic once a second value
+    is seen. Marks count only on the inputs of a compiled call: nothing is marked while tracing.
+    """
+    if torch.compiler.is_compiling():
+        return
+    for t in tensors:
+        if t is None:
+            continue
+        static_dims = {"static": range(t.dim()), "static_batch": range(t.dim()), "packed": (0, 1, 3), "batch": ()}[role]
+        for dim in static_dims:
+            torch._dynamo.mark_static(t, dim)
+        if is_batch_symbolic and role in ("batch", "static_batch"):
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """flex_attention kernel options for one head_dim: prefill's as a dict, decode's as JSON (they
+    cross into the decode attention op as a string)."""
+
+    prefill: dict
+    decode: str
+
+    @staticmethod
+    def pick(head_dim: int, device, dtype, fa4_prefill: bool, prefill_overrides: dict | None, decode_overrides: dict | None):
+        """The defaults for this head_dim, device and dtype, FLASH for prefill when asked, then the overrides."""
+        prefill, decode = default_kernel_options(head_dim, device, dtype)
+        if fa4_prefill:
+            prefill = {"BACKEND": "FLASH"}
+        return KernelOptions({**prefill, **(prefill_overrides or {})}, json.dumps({**decode, **(decode_overrides or {})}))
+
+
+def default_kernel_options(head_dim: int, device: torch.device, dtype: torch.dtype) -> tuple[dict, dict]:
+    """(prefill, decode) flex_attention kernel options per head_dim and dtype, picked with the
+    kernel-option sweep on an H200 (scripts/benchmarks/flex_kernel_options.py; E2B heads: 8 query, 1 KV).
+
+    NOTE: above head_dim 256 the default prefill tiles need more shared memory than an H200 block
+    has, so prefill takes 32x32 tiles (the fastest that fit); float32 doubles every tile's bytes,
+    so its tiles shrink further, to one pipeline stage. Decode over a pool of pages with partial
+    blocks: BLOCK_N 32 with one stage at head_dim 256, BLOCK_N 16 at 512 (which fit in float32
+    too); paged_decode_attention adds the batch-dependent SPLIT_KV.
+    """
+    if device.type != "cuda" or head_dim <= 128:
+        return {}, {}
+    decode = {"BLOCK_N": 16 if head_dim > 256 else 32, "num_stages": 1}
+    if dtype == torch.float32:
+        prefill = {"BLOCK_M": 32, "BLOCK_N": 16 if head_dim > 256 else 32, "num_stages": 1}
+    else:
+        prefill = {"BLOCK_M": 32, "BLOCK_N": 32} if head_dim > 256 else {"BLOCK_M": 64, "BLOCK_N": 64}
+    return prefill, decode
 
 
 def flash_prefill_supported(head_dim: int, device: torch.device) -> bool:
@@ -460,67 +1451,21 @@ def flash_prefill_supported(head_dim: int, device: torch.device) -> bool:
     return major in (9, 10) and head_dim <= 256
 
 
-@dataclass
-class FlexStep:
-    """Everything one forward pass through the layers needs from the engine.
-
-    Prefill packs all admitted prompts in one row ([1, H, T, D]) and attends over their fresh K/V;
-    decode has one token per row ([B, H, 1, D]) and attends over the paged cache.
-    """
-
-    is_prefill: bool
-    block_masks: dict  # attention regime -> BlockMask (prefill) or PagedDecodeMask (decode)
-    physical_slots: dict  # attention regime -> [B * S] cache row of every token in that regime's pool
-    kv_caches: list  # PagedKVCache per layer; None for layers that own no cache
-    kernel_options: dict  # head_dim -> kernel options (decode: as JSON)
-    packed_kv: dict = field(default_factory=dict)  # prefill: PagedKVCache -> the fresh (k, v) written to it
-    document_id_T: torch.Tensor | None = None  # prefill: which sequence each packed token belongs to
-
-    def for_layer(self, cache_layer_idx: int, regime: str = FULL_ATTENTION) -> LayerStep:
-        """The step as one layer sees it: the cache it writes or reads and its regime's mask and slots.
-
-        NOTE: picked here, outside the layer, so a compiled layer reads no layer index: dynamo
-        specialises on every int it reads, and would compile each layer on its own.
-        """
-        return LayerStep(self, self.kv_caches[cache_layer_idx], self.block_masks[regime], self.physical_slots[regime])
+def resolve_fa4_prefill(fa4_prefill: bool | None, head_dims: set[int], device: torch.device) -> bool:
+    """Whether prefill uses the FLASH backend: where asked for (None: wherever supported) and
+    supported for every head_dim."""
+    is_supported = all(flash_prefill_supported(head_dim, device) for head_dim in head_dims)
+    if fa4_prefill and not is_supported:
+        warnings.warn("fa4_prefill asked for, but flex_attention's FLASH backend cannot run here; using Triton")
+    return bool(is_supported if fa4_prefill is None else fa4_prefill and is_supported)
 
 
-@dataclass
-class LayerStep:
-    """One layer's view of a FlexStep; the patched attention calls `attend`."""
-
-    step: FlexStep
-    cache: PagedKVCache
-    block_mask: BlockMask | PagedDecodeMask
-    physical_slots: torch.Tensor  # [B * S] cache row of every token
-
-    def attend(self, module, q, k, v) -> torch.Tensor:
-        """Writes k/v (None: a KV-shared layer, reusing its store layer's cache), then flex-attends.
-
-        q: [B, H, S, D]; k, v: [B, H_kv, S, D]; returns [B, H, S, D].
-        """
-        step = self.step
-        if k is not None:
-            self.cache.write(k, v, self.physical_slots)
-            if step.is_prefill:
-                step.packed_kv[self.cache] = (k, v)
-        kernel_options = step.kernel_options[q.shape[-1]]
-        if not step.is_prefill:
-            mask = self.block_mask
-            return paged_decode_attention(
-                q, self.cache.k_cache, self.cache.v_cache, mask.kv_num_blocks, mask.kv_indices, mask.input_pos_B, mask.batch_idx_B,
-                mask.physical_to_logical, mask.page_size, mask.sliding_window, float(module.scaling), kernel_options,
-            )
-        k, v = step.packed_kv[self.cache]
-        # NOTE: automatic dynamic shapes would make a dimension symbolic once a second value is
-        # seen; prefill keeps only the packed length dynamic.
-        if not torch.compiler.is_compiling():
-            for t in (q, k, v):
-                for dim in (0, 1, 3):
-                    torch._dynamo.mark_static(t, dim)
-        return flex_attention_compiled(
-            q, k, v, block_mask=self.block_mask, scale=module.scaling, enable_gqa=q.shape[1] != k.shape[1], kernel_options=kernel_options
-        )
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's rotate-half RoPE. x: [B, H, S, D]; cos, sin: [B, S, D] from the model's own rotary module."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
 
 
 # ---------------------------------------------------------------------------------------------
@@ -528,11 +1473,10 @@ class LayerStep:
 # ---------------------------------------------------------------------------------------------
 
 # A decode GEMM at small batch reads every weight byte once and does 2 * M FLOPs per weight
-# element: its time is the weight's bytes over the bandwidth reached. cuBLAS's skinny kernels reach
-# 1.6-3.3 TB/s on E2B's decode weights on an H200 (copies reach 4.2) at batch 1, 2.3-3.7 TB/s at
-# batch 64 (a step's GEMMs: ~2.0 ms against 1.1 ms for its 4.56 GB), and a 0.79 MB PLE projection
-# takes ~4.6 us. The kernel below streams the weight; skinny_linear races it against cuBLAS per
-# (shape, dtype, row bucket) on the GPU it runs on and keeps the faster one.
+# element: its time is the weight's bytes over the bandwidth reached, and cuBLAS's skinny kernels
+# reach well below the copy bandwidth on E2B's decode weights (scripts/benchmarks/README.md). The
+# kernel below streams the weight; skinny_linear races it against cuBLAS per (shape, dtype, row
+# bucket) on the GPU it runs on and keeps the faster one.
 #
 # Kernel design (out[M, N] = x[M, K] @ w[N, K]^T, M <= SKINNY_MAX_ROWS):
 # - Program (n, s) owns BLOCK_N output features and the s-th of SPLIT_K runs of K; it walks its K
@@ -554,10 +1498,9 @@ class LayerStep:
 #   kernel sums them in a fixed order and casts. That second launch costs time, so the race picks a
 #   split-K config only where it still wins.
 
-# NOTE: measured on an H200 (scripts/benchmarks/bench_gemv.py): the kernel beats cuBLAS by 5-23% on
-# most E2B shapes at 1-8 rows; at 64 rows it wins only on the widest (lm_head, 8%) and loses up to
-# 22% elsewhere, so racing buckets above 16 costs start-up time (a BLOCK_M variant of every config
-# to compile) for ~20 us a step.
+# NOTE: the kernel wins on most E2B shapes up to 8 rows but rarely at 64 (bench_gemv.py, numbers
+# in scripts/benchmarks/README.md), so racing buckets above 16 would cost start-up time (a BLOCK_M
+# variant of every config to compile) for little.
 SKINNY_MAX_ROWS = 16  # rows (decode batch) up to which skinny_linear races the Triton kernel against cuBLAS
 SKINNY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SKINNY_REDUCE_BLOCK = 1024  # elements per program of the split-K reduction
@@ -774,14 +1717,55 @@ def _skinny_linear_shape(x, weight):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+
 # ---------------------------------------------------------------------------------------------
-# Patched attention and layer walker (Qwen3, Llama)
+# Model patches: Qwen3/Llama attention, fused projections, skinny linears
 # ---------------------------------------------------------------------------------------------
+
+
+def qwen3_llama_attention_forward(self, hidden_states, position_embeddings, attention_mask=None, layer_step=None, **kwargs):
+    """Replaces Qwen3Attention/LlamaAttention.forward: project, norm (Qwen3), RoPE, paged flex attention."""
+    input_shape = hidden_states.shape[:-1]  # [B, S]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+    q, k, v = (t.view(hidden_shape) for t in project(self, qkv_projections(self), "fused_qkv_weight", hidden_states))
+    if hasattr(self, "q_norm"):  # Qwen3 normalises each head; Llama does not
+        q, k = self.q_norm(q), self.k_norm(k)
+    cos, sin = position_embeddings
+    q = apply_rotary(q.transpose(1, 2), cos, sin)  # [B, H, S, D]
+    k = apply_rotary(k.transpose(1, 2), cos, sin)  # [B, H_kv, S, D]
+    attn_output = layer_step.attend(q, k, v.transpose(1, 2), self.scaling)
+    attn_output = attn_output.transpose(1, 2).reshape(*input_shape, -1)
+    return self.o_proj(attn_output), None
 
 
 def qkv_projections(attn) -> list[nn.Module]:
     """The q/k/v projections an attention layer has (KV-shared Gemma-4 layers: only q)."""
     return [proj for proj in (getattr(attn, name, None) for name in ("q_proj", "k_proj", "v_proj")) if proj is not None]
+
+
+def project(owner: nn.Module, linears: list[nn.Module], fused_name: str, x: torch.Tensor) -> list[torch.Tensor]:
+    """Each linear's output: one GEMM over the fused weight when there is one."""
+    fused = getattr(owner, fused_name, None)
+    if fused is None:
+        return [linear(x) for linear in linears]
+    linear = skinny_linear if getattr(owner, "is_skinny", False) else nn.functional.linear
+    return list(linear(x, fused).split(getattr(owner, fused_name + "_sizes"), dim=-1))
+
+
+def fuse_decoder_projections(decoder: nn.Module, is_lora_merged: bool) -> None:
+    """q/k/v and gate/up of every layer each become one GEMM (fewer, larger GEMMs read weights faster)."""
+    for layer in decoder.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = qkv_projections(attn)
+        linears = qkv + [mlp.gate_proj, mlp.up_proj]
+        if any(hasattr(linear, "lora_A") for linear in linears) and not is_lora_merged:
+            raise FlexInferenceError("fuse_projections needs merged LoRA weights", "fuse_projections")
+        if any(getattr(linear, "base_layer", linear).bias is not None for linear in linears):
+            raise FlexInferenceError("fuse_projections supports bias-free projections only", "fuse_projections")
+        if len(qkv) > 1:
+            fuse_linears(attn, qkv, "fused_qkv_weight")
+        fuse_linears(mlp, [mlp.gate_proj, mlp.up_proj], "fused_gate_up_weight")
+        mlp.forward = fused_mlp_forward.__get__(mlp)
 
 
 def fuse_linears(owner: nn.Module, linears: list[nn.Module], name: str) -> None:
@@ -799,13 +1783,22 @@ def fuse_linears(owner: nn.Module, linears: list[nn.Module], name: str) -> None:
     setattr(owner, name + "_sizes", [base.weight.shape[0] for base in bases])
 
 
-def project(owner: nn.Module, linears: list[nn.Module], fused_name: str, x: torch.Tensor) -> list[torch.Tensor]:
-    """Each linear's output: one GEMM over the fused weight when there is one."""
-    fused = getattr(owner, fused_name, None)
-    if fused is None:
-        return [linear(x) for linear in linears]
-    linear = skinny_linear if getattr(owner, "is_skinny", False) else nn.functional.linear
-    return list(linear(x, fused).split(getattr(owner, fused_name + "_sizes"), dim=-1))
+def fused_mlp_forward(self, x):
+    """Replaces the gated MLP's forward when gate/up are fused: down(act(gate) * up)."""
+    gate, up = project(self, [self.gate_proj, self.up_proj], "fused_gate_up_weight", x)
+    return self.down_proj(self.act_fn(gate) * up)
+
+
+def route_linears_through_skinny(modules: list[nn.Module]) -> None:
+    """Every bias-free nn.Linear among `modules` and their fused projections go through
+    skinny_linear: decode's few-row GEMMs take the Triton kernel wherever it beat cuBLAS on this
+    GPU (prefill's many rows, and every GEMM on the CPU, stay F.linear)."""
+    for module in modules:
+        # NOTE: exact type: quantized linears (bitsandbytes' Linear4bit) subclass nn.Linear.
+        if type(module) is nn.Linear and module.bias is None:
+            module.forward = skinny_linear_forward.__get__(module)
+        if hasattr(module, "fused_qkv_weight") or hasattr(module, "fused_gate_up_weight"):
+            module.is_skinny = True
 
 
 def skinny_linear_forward(self, x):
@@ -813,770 +1806,11 @@ def skinny_linear_forward(self, x):
     return skinny_linear(x, self.weight)
 
 
-def fused_mlp_forward(self, x):
-    """Replaces the gated MLP's forward when gate/up are fused: down(act(gate) * up)."""
-    gate, up = project(self, [self.gate_proj, self.up_proj], "fused_gate_up_weight", x)
-    return self.down_proj(self.act_fn(gate) * up)
-
-
-def qwen3_llama_attention_forward(self, hidden_states, position_embeddings, attention_mask=None, layer_step=None, **kwargs):
-    """Replaces Qwen3Attention/LlamaAttention.forward: project, norm (Qwen3), RoPE, paged flex attention."""
-    input_shape = hidden_states.shape[:-1]  # [B, S]
-    hidden_shape = (*input_shape, -1, self.head_dim)
-    q, k, v = (t.view(hidden_shape) for t in project(self, qkv_projections(self), "fused_qkv_weight", hidden_states))
-    if hasattr(self, "q_norm"):  # Qwen3 normalises each head; Llama does not
-        q, k = self.q_norm(q), self.k_norm(k)
-    cos, sin = position_embeddings
-    q = _apply_rotary(q.transpose(1, 2), cos, sin)  # [B, H, S, D]
-    k = _apply_rotary(k.transpose(1, 2), cos, sin)  # [B, H_kv, S, D]
-    attn_output = layer_step.attend(self, q, k, v.transpose(1, 2))
-    attn_output = attn_output.transpose(1, 2).reshape(*input_shape, -1)
-    return self.o_proj(attn_output), None
-
-
-def call_layer(layer: nn.Module, hidden_states: torch.Tensor, **layer_kwargs) -> torch.Tensor:
-    """One decoder layer (HF's own forward). With compile_decode the engine compiles this once:
-    layers of one kind (same shapes and attention regime) then share one compiled graph."""
-    return layer(hidden_states, **layer_kwargs)
-
-
 def unwrap_causal_lm(model: nn.Module) -> nn.Module:
     """The HF *ForCausalLM inside a PEFT wrapper (or the model itself)."""
     get_base_model = getattr(model, "get_base_model", None)
     return get_base_model() if callable(get_base_model) else model
 
-
-# ---------------------------------------------------------------------------------------------
-# Engine
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Sequence:
-    """One prompt and its completion. `input_ids`, when given, is used as is (no tokenizer needed)."""
-
-    text: str | None = None
-    input_ids: list[int] | None = None
-    max_new_tokens: int | None = None
-    output_ids: list[int] = field(default_factory=list)
-    finished: bool = False
-    finish_reason: str | None = None  # "stop" (an end id) or "length"
-    record_logits: bool = False  # keep each generated token's logits (tests, analysis)
-    output_logits: list = field(default_factory=list)
-    batch_idx: int = -1  # slot in the page table while running, -1 otherwise
-    num_preemptions: int = 0
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.input_ids + self.output_ids
-
-    @property
-    def seq_len(self) -> int:
-        return len(self.input_ids) + len(self.output_ids)
-
-
-def greedy_tokens(logits_BV: torch.Tensor) -> torch.Tensor:
-    """logits_BV.argmax(-1), the first index of each row's maximum, in two stages: the maximum of
-    each of C chunks of the vocabulary, then of the chunks.
-
-    NOTE: one reduction over a 262,144-entry row runs as one program per row: 80 us a step at
-    batch 1 on an H200. C chunks per row give the compiled step C times the programs.
-    """
-    B, V = logits_BV.shape
-    num_chunks = min(V & -V, 256)  # the largest power of two up to 256 that divides V
-    chunk_max_BC, chunk_argmax_BC = logits_BV.view(B, num_chunks, V // num_chunks).max(-1)
-    best_chunk_B = chunk_max_BC.argmax(-1)  # the first chunk holding the row's maximum
-    return best_chunk_B * (V // num_chunks) + chunk_argmax_BC.gather(1, best_chunk_B[:, None]).squeeze(1)
-
-
-@dataclass
-class DecodeLaunch:
-    """A decode step queued on the device; `read()` waits for its sampled tokens."""
-
-    rows: list[Sequence]
-    next_ids: torch.Tensor  # [bucket] on the device
-    host_ids: torch.Tensor  # [max_batch_size] host buffer (pinned on CUDA) the tokens are copied into
-    is_done: torch.cuda.Event | None  # None on the CPU, where every copy is synchronous
-    logits_BV: torch.Tensor | None  # kept only when a row records its logits
-
-    def read(self) -> list[int]:
-        if self.is_done is not None:
-            self.is_done.synchronize()  # the one device->host sync per decode step
-        return self.host_ids[: len(self.rows)].tolist()
-
-
-def sequences_last_positions(sequences: list[Sequence]) -> list[int]:
-    """Index of each sequence's last token in the packed prefill row."""
-    ends, total = [], 0
-    for seq in sequences:
-        total += seq.seq_len
-        ends.append(total - 1)
-    return ends
-
-
-def batch_buckets(max_batch_size: int, smallest: int = 1) -> list[int]:
-    """smallest, 2 * smallest, ... up to max_batch_size (always included)."""
-    buckets, size = [], min(smallest, max_batch_size)
-    while size < max_batch_size:
-        buckets.append(size)
-        size *= 2
-    return buckets + [max_batch_size]
-
-
-class FlexInference:
-    """Continuous-batching greedy generation with a paged KV cache and flex attention.
-
-    `model` is a Hugging Face Qwen3/Llama causal LM (optionally inside a PEFT wrapper) on CUDA or CPU.
-    With `peft_model`, the adapter's LoRA deltas are merged into `model`'s target weights from a
-    pristine copy (`refresh_lora()` after every optimizer step); `base_model`, if given, holds those
-    pristine weights already (e.g. a trainer's frozen base) so nothing is copied.
-    """
-
-    max_prefill_tokens = 8192  # tokens packed into one prefill row (at least max_seq_length)
-
-    def __init__(
-        self,
-        model: nn.Module,
-        tokenizer=None,
-        max_batch_size: int = 32,
-        max_seq_length: int = 2048,
-        n_pages: int = 2048,
-        page_size: int = 128,
-        max_new_tokens: int = 512,
-        decode_kernel_options: dict | None = None,
-        prefill_kernel_options: dict | None = None,
-        fa4_prefill: bool | None = None,
-        base_model: nn.Module | None = None,
-        peft_model: nn.Module | None = None,
-        compile_decode: bool = False,
-        fuse_projections: bool = False,
-        skinny_gemms: bool = True,
-    ):
-        check_engine_limits(max_batch_size, max_seq_length, n_pages, page_size, max_new_tokens)
-        self.model = model
-        self.causal_lm = unwrap_causal_lm(model)
-        self.decoder = self.causal_lm.model
-        self.config = self.causal_lm.config
-        self.tokenizer = tokenizer
-        self.max_batch_size = max_batch_size
-        self.max_seq_length = max_seq_length
-        self.page_size = page_size
-        self.max_new_tokens = max_new_tokens
-        self.max_prefill_tokens = max(self.max_prefill_tokens, max_seq_length)
-        first_param = next(self.causal_lm.parameters())
-        self.device = first_param.device
-        self.dtype = self.decoder.embed_tokens.weight.dtype
-        self.user_kernel_options = {True: prefill_kernel_options or {}, False: decode_kernel_options or {}}
-        self.end_ids = end_token_ids(self.causal_lm, tokenizer)
-
-        self.attention_regimes = self._attention_regimes()
-        # One page table per attention regime: a sliding window's pool recycles the pages that fall
-        # out of the window, so it needs only window + 2 pages per sequence.
-        self.page_tables = {
-            regime: PageTable(page_size, self._num_pool_pages(window, n_pages), max_batch_size + 1, max_seq_length, self.device)
-            for regime, window in self.attention_regimes.items()
-        }
-        # Batch slots are handed out by the full-attention table; the others follow its numbering.
-        self.page_table = self.page_tables.get(FULL_ATTENTION) or next(iter(self.page_tables.values()))
-        self.kv_caches = self._build_kv_caches()
-        self.fa4_prefill = self._resolve_fa4_prefill(fa4_prefill)
-        head_dims = sorted({attn.head_dim for attn in self._attention_layers()})
-        # head_dim -> kernel options; decode's cross into the decode attention op as JSON
-        self.step_kernel_options = {
-            True: {D: self.kernel_options(True, D) for D in head_dims},
-            False: {D: json.dumps(self.kernel_options(False, D)) for D in head_dims},
-        }
-        self._patch_model()
-        # Static decode inputs (CUDA graphs read them in place): rows 0..B-1 of each.
-        self.static_step_inputs = torch.zeros(3, max_batch_size, dtype=torch.long, device=self.device)
-        # Two host buffers for sampled tokens: one being read while the next step fills the other.
-        self.host_next_ids = torch.zeros(2, max_batch_size, dtype=torch.long, pin_memory=self.device.type == "cuda")
-        self.num_decode_launches = 0
-        # compile_decode: the decode step is compiled by regions, each with a symbolic batch size so
-        # one compile serves every bucket: the prologue (masks, cache slots, embeddings), one
-        # decoder layer, the epilogue (final norm, logits, greedy tokens). Norms, RoPE, residuals
-        # and PLE fuse inside a layer, and layers of one kind share a compiled graph (E2B has 4
-        # kinds in 35 layers): compiling the whole 35-layer step as one graph took 77 s on an H200.
-        # CUDA graphs then capture the step per bucket.
-        # NOTE: torch.compile specializes a size of 1, so the compiled step's buckets start at 2 (a
-        # single sequence decodes beside one padding row): one compile instead of two.
-        self.compile_decode = compile_decode
-        compile_region = (lambda fn: torch.compile(fn, fullgraph=True, dynamic=False)) if compile_decode else (lambda fn: fn)
-        self.decode_prologue = compile_region(self._decode_prologue)
-        self.decode_layer = compile_region(call_layer)
-        self.decode_epilogue = compile_region(self._decode_epilogue)
-        self.buckets = batch_buckets(max_batch_size, smallest=2 if compile_decode else 1)
-        self.cuda_graphs: dict[int, tuple] = {}
-        # holds_until[batch_idx]: the first query position at which that slot's pages no longer fit
-        # (a new page is needed, or a windowed page can be recycled)
-        self.holds_until = [0] * (max_batch_size + 1)
-        self.graph_pool = None
-        self.timings: dict[str, float] = {}
-
-        if fuse_projections:
-            self._fuse_projections(peft_model is not None)
-        if skinny_gemms:
-            self._route_linears_through_skinny()
-        self.peft_model = peft_model
-        self.lora_targets: dict[str, torch.Tensor] = {}
-        self.pristine_lora_weights: dict[str, torch.Tensor] = {}
-        if peft_model is not None:
-            self.lora_targets = lora_target_weights(self.causal_lm, peft_model)
-            self.pristine_lora_weights = snapshot_pristine_lora_weights(self.lora_targets, base_model)
-            self.refresh_lora()
-
-    # --- model-specific hooks (gemma4_flex_inference.py overrides these) -------------------
-
-    def _attention_layers(self):
-        return [layer.self_attn for layer in self.decoder.layers]
-
-    def _attention_regimes(self) -> dict[str, int | None]:
-        """Attention regime -> sliding window (None: full causal)."""
-        window = getattr(self.config, "sliding_window", None)
-        layer_types = getattr(self.config, "layer_types", None) or [FULL_ATTENTION]
-        return {t: (window if t == SLIDING_ATTENTION else None) for t in set(layer_types)}
-
-    def _num_pool_pages(self, sliding_window: int | None, n_pages: int) -> int:
-        if sliding_window is None:
-            return n_pages
-        pages_per_sequence = -(-sliding_window // self.page_size) + 2  # window, the page being written, slack
-        return min(n_pages, self.max_batch_size * pages_per_sequence + 1)
-
-    def _first_needed_pos(self, regime: str, query_pos: int) -> int:
-        """The first position a query at `query_pos` sees in `regime` (HF: kv > q - window)."""
-        window = self.attention_regimes[regime]
-        return 0 if window is None else max(0, query_pos - window + 1)
-
-    def _build_kv_caches(self) -> list[PagedKVCache | None]:
-        n_kv_heads = self.config.num_key_value_heads
-        return [
-            PagedKVCache(self.page_table.n_pages, self.page_size, n_kv_heads, attn.head_dim, self.dtype, self.device)
-            for attn in self._attention_layers()
-        ]
-
-    def _patch_model(self) -> None:
-        if any(t != FULL_ATTENTION for t in self.attention_regimes):
-            raise SystemExit("this checkpoint has sliding-window layers, which the Qwen3/Llama walker does not run")
-        for attn in self._attention_layers():
-            attn.forward = qwen3_llama_attention_forward.__get__(attn)
-
-    def _fuse_projections(self, is_lora_merged: bool) -> None:
-        """q/k/v and gate/up each become one GEMM (fewer, larger GEMMs read weights faster)."""
-        for layer in self.decoder.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            qkv = qkv_projections(attn)
-            linears = qkv + [mlp.gate_proj, mlp.up_proj]
-            if any(hasattr(linear, "lora_A") for linear in linears) and not is_lora_merged:
-                raise ValueError("fuse_projections needs merged LoRA weights: drop --no_merge_lora or the fusion")
-            if any(getattr(linear, "base_layer", linear).bias is not None for linear in linears):
-                raise ValueError("fuse_projections supports bias-free projections only")
-            if len(qkv) > 1:
-                fuse_linears(attn, qkv, "fused_qkv_weight")
-            fuse_linears(mlp, [mlp.gate_proj, mlp.up_proj], "fused_gate_up_weight")
-            mlp.forward = fused_mlp_forward.__get__(mlp)
-
-    def _route_linears_through_skinny(self) -> None:
-        """Every bias-free nn.Linear of the decoder, the lm_head and the fused projections go
-        through skinny_linear: decode's few-row GEMMs take the Triton kernel wherever it beat
-        cuBLAS on this GPU (prefill's many rows, and every GEMM on the CPU, stay F.linear)."""
-        for module in [*self.decoder.modules(), self.causal_lm.lm_head]:
-            # NOTE: exact type: quantized linears (bitsandbytes' Linear4bit) subclass nn.Linear.
-            if type(module) is nn.Linear and module.bias is None:
-                module.forward = skinny_linear_forward.__get__(module)
-            if hasattr(module, "fused_qkv_weight") or hasattr(module, "fused_gate_up_weight"):
-                module.is_skinny = True
-
-    def restore_model(self) -> None:
-        """Gives the model back its own forwards (HF generate works again); the engine is
-        unusable afterwards."""
-        for module in [*self.decoder.modules(), self.causal_lm.lm_head]:
-            module.__dict__.pop("forward", None)
-            module.__dict__.pop("is_skinny", None)
-
-    def _embed(self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        """The token embeddings [B, S, hidden] and what the layers read besides (RoPE cos/sin)."""
-        hidden_BSE = self.decoder.embed_tokens(input_ids_BS)
-        return hidden_BSE, {"position_embeddings": self.decoder.rotary_emb(hidden_BSE, position_ids_BS)}
-
-    def _layer_kwargs(self, layer_idx: int, layer_inputs: dict, step: FlexStep) -> dict:
-        """Decoder layer `layer_idx`'s keyword arguments besides its hidden states."""
-        return dict(position_embeddings=layer_inputs["position_embeddings"], attention_mask=None, layer_step=step.for_layer(layer_idx))
-
-    def _run_layers(self, hidden_BSE, layer_inputs: dict, step: FlexStep, layer_indices: range, run_layer=call_layer) -> torch.Tensor:
-        """Runs decoder layers `layer_indices` in order through `run_layer`; returns their output."""
-        for layer_idx in layer_indices:
-            hidden_BSE = run_layer(self.decoder.layers[layer_idx], hidden_BSE, **self._layer_kwargs(layer_idx, layer_inputs, step))
-        return hidden_BSE
-
-    def _forward_hidden(self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor, step: FlexStep) -> torch.Tensor:
-        """Walks the decoder layers. Returns the final-normed hidden states [B, S, hidden]."""
-        hidden_BSE, layer_inputs = self._embed(input_ids_BS, position_ids_BS)
-        hidden_BSE = self._run_layers(hidden_BSE, layer_inputs, step, range(len(self.decoder.layers)))
-        return self.decoder.norm(hidden_BSE)
-
-    def _logits(self, hidden_NE: torch.Tensor) -> torch.Tensor:
-        return self.causal_lm.lm_head(hidden_NE).float()
-
-    # --- kernel options --------------------------------------------------------------------
-
-    def _resolve_fa4_prefill(self, fa4_prefill: bool | None) -> bool:
-        head_dims = {cache.k_cache.shape[-1] for cache in self.kv_caches if cache is not None}
-        is_supported = all(flash_prefill_supported(d, self.device) for d in head_dims)
-        if fa4_prefill and not is_supported:
-            warnings.warn("--fa4_prefill asked for, but flex_attention's FLASH backend cannot run here; using Triton")
-        return bool(is_supported if fa4_prefill is None else fa4_prefill and is_supported)
-
-    def kernel_options(self, is_prefill: bool, head_dim: int) -> dict:
-        options = default_kernel_options(is_prefill, head_dim, self.device)
-        if is_prefill and self.fa4_prefill:
-            options = {"BACKEND": "FLASH"}
-        return {**options, **self.user_kernel_options[is_prefill]}
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return sum(cache.bytes_per_token for cache in self.kv_caches if cache is not None)
-
-    # --- prefill ----------------------------------------------------------------------------
-
-    def _pack(self, sequences: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, FlexStep]:
-        """Packs all `sequences` (already holding pages) into one prefill row.
-
-        Returns input_ids [1, T], position_ids [1, T] and the FlexStep; T is padded to a multiple
-        of 128 so lengths reuse compiled kernels. Padding is a document of its own and writes into
-        the reserved page 0.
-        """
-        regimes = list(self.page_tables)
-        token_ids, position_ids, document_ids = [], [], []
-        physical_slots = {regime: [] for regime in regimes}
-        for doc_idx, seq in enumerate(sequences):
-            ids = seq.token_ids
-            token_ids += ids
-            position_ids += range(len(ids))
-            document_ids += [doc_idx] * len(ids)
-            for regime, table in self.page_tables.items():
-                physical_slots[regime] += table.physical_slots(seq.batch_idx, 0, len(ids))
-        num_padding = -len(token_ids) % 128
-        token_ids += [0] * num_padding
-        position_ids += [0] * num_padding
-        document_ids += [len(sequences)] * num_padding
-        T = len(token_ids)
-        # One host->device copy for all step inputs.
-        rows = [token_ids, position_ids, document_ids] + [physical_slots[r] + [0] * num_padding for r in regimes]
-        inputs_RT = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
-        document_id_T = inputs_RT[2]
-        block_masks = {
-            regime: create_block_mask(document_causal_mask_mod(document_id_T, window), None, None, T, T, device=self.device)
-            for regime, window in self.attention_regimes.items()
-        }
-        self._flush_page_tables()
-        slots = {regime: inputs_RT[3 + i] for i, regime in enumerate(regimes)}
-        step = FlexStep(True, block_masks, slots, self.kv_caches, self.step_kernel_options[True], document_id_T=document_id_T)
-        return inputs_RT[0:1], inputs_RT[1:2], step
-
-    def _prefill(self, sequences: list[Sequence]) -> tuple[list[int], torch.Tensor]:
-        """Runs the admitted `sequences` in one packed row; returns each one's next token and the
-        logits at its last position [N, V]."""
-        input_ids_1T, position_ids_1T, step = self._pack(sequences)
-        last_positions = torch.tensor(sequences_last_positions(sequences), device=self.device)
-        hidden_1NE = self._prefill_hidden(input_ids_1T, position_ids_1T, step, last_positions)
-        logits_NV = self._logits(hidden_1NE[0])
-        return logits_NV.argmax(-1).tolist(), logits_NV  # the one device->host sync of this prefill
-
-    def _prefill_hidden(self, input_ids_1T, position_ids_1T, step: FlexStep, last_positions_N) -> torch.Tensor:
-        """Hidden states [1, N, hidden] at each sequence's last position."""
-        return self._forward_hidden(input_ids_1T, position_ids_1T, step)[:, last_positions_N]
-
-    @torch.inference_mode()
-    def score(self, token_ids: list[list[int]]) -> list[torch.Tensor]:
-        """Teacher-forced logits [len, V] (float32, CPU) for each token list, through packed
-        prefills of as many lists as the free slots and pages hold."""
-        waiting = deque(Sequence(input_ids=list(ids)) for ids in token_ids)
-        logits = []
-        while waiting:
-            batch = []
-            while waiting and self.page_table.can_allocate() and self._can_hold(waiting[0]):
-                batch.append(waiting.popleft())
-                self._admit(batch[-1])
-            if not batch:
-                raise ValueError(f"a sequence of {waiting[0].seq_len} tokens does not fit the page pool")
-            try:
-                logits_TV = self._logits(self._forward_hidden(*self._pack(batch))[0]).cpu()
-            finally:
-                for seq in batch:
-                    self._release(seq)
-            starts = [0] + [p + 1 for p in sequences_last_positions(batch)]
-            logits += [logits_TV[start : start + seq.seq_len] for start, seq in zip(starts, batch)]
-        return logits
-
-    # --- decode -----------------------------------------------------------------------------
-
-    def _decode_prologue(self, input_ids_B, input_pos_B, batch_idx_B) -> tuple[dict, torch.Tensor, dict]:
-        """The decode step before the layers. Returns, per regime, the rows' visible pages
-        (kv_num_blocks, kv_indices) and cache slots; the embeddings [B, 1, hidden]; the layer inputs."""
-        regime_tensors = {}
-        for regime, table in self.page_tables.items():
-            kv_num_blocks, kv_indices = table.decode_blocks(input_pos_B, batch_idx_B, self.attention_regimes[regime])
-            # page_table[batch_idx, logical_block] -> physical_page; cache row = page * page_size + offset
-            page_B = table.page_table[batch_idx_B, input_pos_B // self.page_size].long()
-            regime_tensors[regime] = (kv_num_blocks, kv_indices, page_B * self.page_size + input_pos_B % self.page_size)
-        hidden_B1E, layer_inputs = self._embed(input_ids_B[:, None], input_pos_B[:, None])
-        return regime_tensors, hidden_B1E, layer_inputs
-
-    def _decode_epilogue(self, hidden_B1E: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Final norm, logits [B, V] and greedy tokens [B]."""
-        logits_BV = self._logits(self.decoder.norm(hidden_B1E)[:, -1])
-        return greedy_tokens(logits_BV), logits_BV
-
-    def _mark_rows_dynamic(self, *tensors) -> None:
-        """compile_decode: lets torch.compile treat dim 0 (the decode batch) of these inputs of a
-        compiled region as symbolic, so one compile serves every batch bucket. Weak marks: a graph
-        that needs a fixed size (a bucket of 1, flex's kernel inside the attention op) specialises it."""
-        if self.compile_decode:
-            for t in tensors:
-                torch._dynamo.maybe_mark_dynamic(t, 0)
-
-    def _run_decode_layer(self, layer: nn.Module, hidden_B1E: torch.Tensor, **layer_kwargs) -> torch.Tensor:
-        """One decoder layer of the decode step (compiled: its batch-sized inputs marked symbolic)."""
-        self._mark_rows_dynamic(hidden_B1E, *(t for t in torch.utils._pytree.tree_leaves(layer_kwargs) if isinstance(t, torch.Tensor)))
-        return self.decode_layer(layer, hidden_B1E, **layer_kwargs)
-
-    def _decode_step(self, input_ids_B, input_pos_B, batch_idx_B) -> tuple[torch.Tensor, torch.Tensor]:
-        """One token for every row: tensor ops only (no host sync), so it can be graph-captured.
-
-        Returns (next_ids [B], logits [B, V]).
-        """
-        # NOTE: no duck sizing while the regions compile: it makes one symbol of every two sizes
-        # that happen to be equal (a PLE slice's storage offset and a batch slot row's, say), and
-        # the next layer or bucket then fails the guard and compiles again.
-        with fx_config.patch(use_duck_shape=False) if self.compile_decode else contextlib.nullcontext():
-            mark_all_static(input_pos_B, batch_idx_B)
-            regime_tensors, hidden_B1E, layer_inputs = self.decode_prologue(input_ids_B, input_pos_B, batch_idx_B)
-            block_masks, physical_slots = {}, {}
-            for regime, (kv_num_blocks, kv_indices, slots_B) in regime_tensors.items():
-                # NOTE: marked static from the start, as the decode attention op marks its mask
-                # tensors (a compiled layer's guards would see the marks appear after its first call).
-                mark_all_static(kv_num_blocks, kv_indices)
-                self._mark_rows_dynamic(kv_num_blocks, kv_indices, slots_B)
-                table, window = self.page_tables[regime], self.attention_regimes[regime]
-                block_masks[regime] = PagedDecodeMask(
-                    kv_num_blocks, kv_indices, input_pos_B, batch_idx_B, table.physical_to_logical, self.page_size, window or 0
-                )
-                physical_slots[regime] = slots_B
-            step = FlexStep(False, block_masks, physical_slots, self.kv_caches, self.step_kernel_options[False])
-            hidden_B1E = self._run_layers(hidden_B1E, layer_inputs, step, range(len(self.decoder.layers)), self._run_decode_layer)
-            self._mark_rows_dynamic(hidden_B1E)
-            return self.decode_epilogue(hidden_B1E)
-
-    def _launch_decode(self, rows: list[Sequence], use_graph: bool, previous: DecodeLaunch | None = None) -> DecodeLaunch:
-        """Queues one decode step for `rows` and returns without waiting for it.
-
-        Fresh steps take their inputs from the host bookkeeping. A chained step (`previous`, the
-        step just queued for the same rows) takes the tokens `previous` sampled, on the device, one
-        position further: the GPU runs it while the host reads and books `previous`'s tokens.
-        """
-        B = len(rows)
-        # Eager decode pads to the same buckets as the graphs: one compiled kernel per bucket.
-        bucket = next(b for b in self.buckets if b >= B)
-        if previous is None:
-            # Rows: last token, its position, batch slot; padding rows aim at the reserved slot 0.
-            padding = [0] * (bucket - B)
-            step_inputs = torch.tensor([
-                [seq.output_ids[-1] for seq in rows] + padding,  # a running sequence has output
-                [seq.seq_len - 1 for seq in rows] + padding,
-                [seq.batch_idx for seq in rows] + padding,
-            ])  # fmt: skip
-            self._flush_page_tables()
-            self.static_step_inputs[:, :bucket].copy_(step_inputs, non_blocking=True)
-        else:
-            self.static_step_inputs[0, :B].copy_(previous.next_ids[:B])
-            self.static_step_inputs[1, :B] += 1
-        if use_graph:
-            graph, next_ids, logits = self.cuda_graphs[bucket]
-            graph.replay()
-        else:
-            next_ids, logits = self._decode_step(*self._static_step_inputs(bucket))
-        # The tokens go to a host buffer of their own: a chained step overwrites a graph's outputs.
-        host_ids = self.host_next_ids[self.num_decode_launches % 2]
-        self.num_decode_launches += 1
-        host_ids[:B].copy_(next_ids[:B], non_blocking=True)
-        is_done = None
-        if self.device.type == "cuda":
-            is_done = torch.cuda.Event()
-            is_done.record()
-        logits_BV = logits[:B].clone() if any(seq.record_logits for seq in rows) else None
-        return DecodeLaunch(rows, next_ids, host_ids, is_done, logits_BV)
-
-    def _can_chain(self, launch: DecodeLaunch, waiting: deque) -> bool:
-        """Whether the next step can be queued before `launch`'s tokens are read: the same rows
-        go on, as no row has finished, none reaches its length limit with `launch`'s token, every
-        row's next position fits its pages, and no waiting sequence could be admitted instead."""
-        for seq in launch.rows:
-            if seq.finished or len(seq.output_ids) + 1 >= seq.max_new_tokens or seq.seq_len + 1 >= self.max_seq_length:
-                return False
-            # the chained step writes the K/V of the token `launch` samples, at position seq_len
-            if not self._pages_fit(seq, seq.seq_len):
-                return False
-        return not (waiting and self.page_table.can_allocate() and self._can_hold(waiting[0]))
-
-    def _static_step_inputs(self, bucket: int) -> list[torch.Tensor]:
-        """Rows 0..bucket-1 of the static input ids, positions and batch slots; the compiled step
-        sees their batch size as symbolic."""
-        inputs = list(self.static_step_inputs[:, :bucket])
-        self._mark_rows_dynamic(*inputs)
-        return inputs
-
-    @torch.inference_mode()
-    def capture_cuda_graphs(self, buckets: list[int] | None = None) -> None:
-        """One graph per batch bucket (default: all), largest first, all in one memory pool."""
-        if self.device.type != "cuda":
-            raise SystemExit("--capture_cudagraph needs a CUDA device")
-        buckets = [b for b in (buckets or self.buckets) if b not in self.cuda_graphs]
-        if not buckets:
-            return
-        start = time.perf_counter()
-        self._flush_page_tables()
-        bucket_s = {}
-        for bucket in sorted(buckets, reverse=True):
-            bucket_start = time.perf_counter()
-            self.static_step_inputs[:, :bucket].zero_()  # every row a padding row: slot 0, page 0
-            step_inputs = self._static_step_inputs(bucket)
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # eager warm-up compiles this bucket's kernels
-                self._decode_step(*step_inputs)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.graph_pool):
-                next_ids, logits = self._decode_step(*step_inputs)
-            self.graph_pool = graph.pool()
-            self.cuda_graphs[bucket] = (graph, next_ids, logits)
-            bucket_s[bucket] = time.perf_counter() - bucket_start
-        torch.cuda.synchronize()
-        self.timings["capture_s"] = time.perf_counter() - start
-        self.timings["capture_s_per_bucket"] = bucket_s
-
-    # --- scheduler --------------------------------------------------------------------------
-
-    def _flush_page_tables(self) -> None:
-        for table in self.page_tables.values():
-            table.flush()
-
-    def _can_hold(self, seq: Sequence, query_pos: int | None = None) -> bool:
-        """Whether every pool has room for `seq`'s tokens, given the next query position
-        (default: the one after its last token, as after a prefill)."""
-        query_pos = seq.seq_len if query_pos is None else query_pos
-        batch_idx = seq.batch_idx if seq.batch_idx >= 0 else None
-        return all(
-            table.can_reserve(seq.seq_len, batch_idx, self._first_needed_pos(regime, query_pos))
-            for regime, table in self.page_tables.items()
-        )
-
-    def _hold(self, seq: Sequence, query_pos: int) -> None:
-        """Pages for `seq`'s tokens in every pool; windowed pools first recycle what the query at
-        `query_pos` no longer sees."""
-        holds_until = self.max_seq_length
-        for regime, table in self.page_tables.items():
-            first_needed_pos = self._first_needed_pos(regime, query_pos)
-            table.trim(seq.batch_idx, first_needed_pos)
-            table.reserve(seq.batch_idx, seq.seq_len, first_needed_pos)
-            holds_until = min(holds_until, len(table.pages_of[seq.batch_idx]) * self.page_size)
-            window = self.attention_regimes[regime]
-            if window is not None:  # the next page to fall out of the window
-                holds_until = min(holds_until, (first_needed_pos // self.page_size + 1) * self.page_size + window - 1)
-        self.holds_until[seq.batch_idx] = holds_until
-
-    def _pages_fit(self, seq: Sequence, query_pos: int) -> bool:
-        """Whether the pages `seq` holds already serve a query at `query_pos` (no page to add or recycle)."""
-        return query_pos < self.holds_until[seq.batch_idx]
-
-    def _admit(self, seq: Sequence) -> None:
-        seq.batch_idx = self.page_table.allocate()
-        self._hold(seq, seq.seq_len)
-
-    def _release(self, seq: Sequence) -> None:
-        for table in self.page_tables.values():
-            table.erase(seq.batch_idx, release_slot=table is self.page_table)
-        seq.batch_idx = -1
-
-    def _append(self, seq: Sequence, token: int, logits_V: torch.Tensor | None) -> None:
-        seq.output_ids.append(token)
-        if seq.record_logits:
-            seq.output_logits.append(logits_V.detach().float().cpu())
-        if token in self.end_ids:
-            seq.finished, seq.finish_reason = True, "stop"
-        elif len(seq.output_ids) >= seq.max_new_tokens or seq.seq_len >= self.max_seq_length:
-            seq.finished, seq.finish_reason = True, "length"
-
-    def _prepare(self, sequences: list[Sequence]) -> None:
-        for seq in sequences:
-            if seq.input_ids is None:
-                if seq.text is None:
-                    raise ValueError("a Sequence needs text or input_ids")
-                if self.tokenizer is None:
-                    raise ValueError("a Sequence without input_ids needs a tokenizer")
-                seq.input_ids = self.tokenizer(seq.text, add_special_tokens=False)["input_ids"]
-            seq.input_ids = list(seq.input_ids)
-            if not seq.input_ids:
-                raise ValueError("a prompt has no tokens")
-            if len(seq.input_ids) >= self.max_seq_length:
-                raise ValueError(
-                    f"a prompt has {len(seq.input_ids)} tokens, max_seq_length is {self.max_seq_length}: "
-                    "shorten it or raise --max_seq_length"
-                )
-            if seq.max_new_tokens is None:
-                seq.max_new_tokens = self.max_new_tokens
-            if seq.max_new_tokens < 1:
-                raise ValueError(f"max_new_tokens must be at least 1, got {seq.max_new_tokens}")
-            seq.output_ids, seq.output_logits, seq.finished, seq.finish_reason = [], [], False, None
-
-    @torch.inference_mode()
-    def generate(self, sequences: list[Sequence], capture_cudagraph: bool = False, progress: bool = False) -> list[Sequence]:
-        """Greedy-decodes every sequence to an end id or its max_new_tokens; returns them in input order."""
-        self._prepare(sequences)
-        if capture_cudagraph:
-            self.capture_cuda_graphs()
-        try:
-            return self._generate(sequences, capture_cudagraph, progress)
-        finally:  # an error (or an interrupt) mid-way leaves no slot or page held
-            for seq in sequences:
-                if seq.batch_idx >= 0:
-                    self._release(seq)
-
-    def _generate(self, sequences: list[Sequence], capture_cudagraph: bool, progress: bool) -> list[Sequence]:
-        """The scheduler loop: admit and prefill, decode steps for all running, retire.
-
-        While the running set stays the same, each decode step is queued before the previous
-        one's tokens are read, so the host's bookkeeping overlaps the GPU's work.
-        """
-        waiting: deque[Sequence] = deque(sequences)
-        running: list[Sequence] = []  # in admission order: the last one is preempted first
-        launch: DecodeLaunch | None = None  # a decode step queued but not read yet
-        bar = _progress_bar(sum(s.max_new_tokens for s in sequences), progress)
-        num_prefill_tokens = num_decode_tokens = 0
-        prefill_s = decode_s = 0.0
-        while waiting or running:
-            if launch is None:
-                admitted, admitted_tokens = [], 0
-                while (
-                    waiting
-                    and self.page_table.can_allocate()
-                    and self._can_hold(waiting[0])
-                    and admitted_tokens + waiting[0].seq_len <= self.max_prefill_tokens
-                ):
-                    seq = waiting.popleft()
-                    self._admit(seq)
-                    admitted.append(seq)
-                    admitted_tokens += seq.seq_len
-                if admitted:
-                    start = time.perf_counter()
-                    next_ids, logits = self._prefill(admitted)
-                    prefill_s += time.perf_counter() - start
-                    num_prefill_tokens += admitted_tokens
-                    for i, seq in enumerate(admitted):
-                        self._append(seq, next_ids[i], logits[i])
-                    running += admitted
-                    bar.update(len(admitted))
-                running = self._retire(running)
-                if not running:
-                    continue
-                running = self._reserve_or_preempt(running, waiting)
-                if not running:  # the only sequence gave its pages back: admit again
-                    continue
-                start = time.perf_counter()
-                launch = self._launch_decode(running, capture_cudagraph)
-            else:
-                start = time.perf_counter()
-            next_launch = self._launch_decode(running, capture_cudagraph, launch) if self._can_chain(launch, waiting) else None
-            next_ids = launch.read()
-            decode_s += time.perf_counter() - start
-            num_appended = 0
-            for i, seq in enumerate(launch.rows):
-                if not seq.finished:  # a row that finished a step earlier rode along in a chained step
-                    self._append(seq, next_ids[i], None if launch.logits_BV is None else launch.logits_BV[i])
-                    num_appended += 1
-            num_decode_tokens += num_appended
-            bar.update(num_appended)
-            launch = next_launch
-            if launch is None:
-                running = self._retire(running)
-            bar.set_postfix_str(
-                f"prefill {num_prefill_tokens / max(prefill_s, 1e-9):.0f} tok/s, "
-                f"decode {num_decode_tokens / max(decode_s, 1e-9):.0f} tok/s"
-            )
-        bar.close()
-        self.timings.update(prefill_s=prefill_s, decode_s=decode_s, num_prefill_tokens=num_prefill_tokens, num_decode_tokens=num_decode_tokens)
-        return sequences
-
-    def _retire(self, running: list[Sequence]) -> list[Sequence]:
-        still_running = []
-        for seq in running:
-            if seq.finished:
-                self._release(seq)
-            else:
-                still_running.append(seq)
-        return still_running
-
-    def _reserve_or_preempt(self, running: list[Sequence], waiting: deque) -> list[Sequence]:
-        """Gives every running sequence room for its next token; when the pool runs dry, the newest
-        sequence is preempted (its pages freed) and recomputed from its tokens later."""
-        i = 0
-        while i < len(running):
-            seq = running[i]
-            # The next step writes the K/V of the last token, at position seq_len - 1; most steps
-            # cross no page boundary, so the pages held already fit.
-            if self._pages_fit(seq, seq.seq_len - 1):
-                i += 1
-                continue
-            if self._can_hold(seq, seq.seq_len - 1):
-                self._hold(seq, seq.seq_len - 1)
-                i += 1
-                continue
-            victim = running.pop()
-            self._release(victim)
-            victim.num_preemptions += 1
-            waiting.appendleft(victim)
-        return running
-
-    # --- LoRA -------------------------------------------------------------------------------
-
-    def refresh_lora(self) -> None:
-        """Re-merges the PEFT model's current adapter into the inference weights (in place)."""
-        refresh_lora_merge_from_pristine(self.lora_targets, self.pristine_lora_weights, self.peft_model)
-
-
-def _progress_bar(total: int, enabled: bool):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, disable=not enabled, unit="tok", dynamic_ncols=True, leave=False)
-
-
-def end_token_ids(causal_lm: nn.Module, tokenizer) -> set[int]:
-    """Every end id the model uses: generation config, model config and tokenizer."""
-    end_ids: set[int] = set()
-    for source in (getattr(causal_lm, "generation_config", None), causal_lm.config):
-        value = getattr(source, "eos_token_id", None) if source is not None else None
-        if value is not None:
-            end_ids |= set(value) if isinstance(value, (list, tuple)) else {value}
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        end_ids.add(tokenizer.eos_token_id)
-    return end_ids
-
-
-def check_engine_limits(max_batch_size, max_seq_length, n_pages, page_size, max_new_tokens) -> None:
-    """Bad sizes fail here with one sentence, before anything is allocated."""
-    if max_batch_size < 1:
-        raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
-    if page_size < 16 or page_size & (page_size - 1):
-        raise ValueError(f"page_size must be a power of two of at least 16, got {page_size}")
-    if max_seq_length % page_size:
-        raise ValueError(f"max_seq_length ({max_seq_length}) must be a multiple of page_size ({page_size})")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    if (n_pages - 1) * page_size < max_seq_length:
-        raise ValueError(
-            f"the page pool ({n_pages} pages of {page_size}, one reserved) cannot hold even one sequence of "
-            f"max_seq_length {max_seq_length}: raise --n_pages to at least {max_seq_length // page_size + 1}"
-        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1593,7 +1827,7 @@ def lora_layers(peft_model: nn.Module) -> dict[str, nn.Module]:
     for name, module in peft_model.named_modules():
         if hasattr(module, "lora_A") and hasattr(module, "base_layer") and len(module.lora_A) > 0:
             if getattr(module, "use_dora", {}) and any(module.use_dora.values()):
-                raise SystemExit("DoRA adapters are not supported by the LoRA double-copy")
+                raise FlexInferenceError("DoRA adapters are not supported by the LoRA double-copy")
             layers[name.removeprefix("base_model.model.")] = module
     return layers
 
@@ -1605,7 +1839,7 @@ def lora_target_weights(causal_lm: nn.Module, peft_model: nn.Module) -> dict[str
     for name in lora_layers(peft_model):
         module = modules.get(name)
         if module is None:
-            raise SystemExit(f"the adapter targets {name}, which the inference model does not have")
+            raise FlexInferenceError(f"the adapter targets {name}, which the inference model does not have")
         targets[name] = getattr(module, "base_layer", module).weight
     return targets
 
@@ -1723,7 +1957,7 @@ def init_data_parallel(device: torch.device) -> torch.device:
     if device.type == "cuda":
         num_local_ranks, num_gpus = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()
         if num_local_ranks > num_gpus:
-            raise SystemExit(f"torchrun started {num_local_ranks} processes on a host with {num_gpus} GPUs: pass --nproc_per_node {num_gpus} or fewer")
+            raise FlexInferenceError(f"torchrun started {num_local_ranks} processes on a host with {num_gpus} GPUs: start at most one per GPU")
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)  # object collectives over nccl run on the current device
     if not dist.is_initialized():
@@ -1752,7 +1986,7 @@ def generate_shard(engine: FlexInference, sequences: list[Sequence], group=None,
         return engine.generate(sequences, **generate_kwargs)
     # NOTE: every rank checks every sequence, so bad input fails on all ranks alike instead of on
     # one, which would leave the others waiting in the gather until the process group times out.
-    engine._prepare(sequences)
+    engine.prepare(sequences)
     shard = sequences[shard_slice(len(sequences), dist.get_rank(group), dist.get_world_size(group))]
     return engine.generate(shard, **generate_kwargs)
 
@@ -1770,7 +2004,7 @@ def gather_outputs(sequences: list[Sequence], group=None) -> list[Sequence]:
     dist.all_gather_object(gathered, local, group=group)
     num_sequences = [num for num, _ in gathered]
     if len(set(num_sequences)) != 1:
-        raise ValueError(f"the ranks passed {num_sequences} sequences: every rank must pass the same list")
+        raise FlexInferenceError(f"the ranks passed {num_sequences} sequences: every rank must pass the same list")
     results = [values for _, block in gathered for values in block]  # blocks in rank order = input order
     for seq, values in zip(sequences, results):
         for name, value in zip(GATHERED_FIELDS, values):
@@ -1787,11 +2021,147 @@ def generate_sharded(engine: FlexInference, sequences: list[Sequence], group=Non
     return gather_outputs(sequences, group)
 
 
+
+# ---------------------------------------------------------------------------------------------
+# Loaders
+# ---------------------------------------------------------------------------------------------
+
+PRESETS_DIR = Path(__file__).resolve().parent / "scripts" / "presets"
+
+
+def check_model_path(model_name: str) -> None:
+    """A local-looking path that does not exist fails here rather than as a hub lookup."""
+    looks_local = model_name.startswith((".", "/", "~")) or model_name.count("/") != 1
+    if looks_local and not os.path.exists(os.path.expanduser(model_name)):
+        raise FlexInferenceError(f"model path {model_name} does not exist: pass a checkpoint folder or a hub id")
+
+
+def preset_config_path(model_name: str) -> Path | None:
+    path = PRESETS_DIR / (model_name.replace("/", "__") + ".json")
+    return path if path.exists() else None
+
+
+def load_config(model_name: str, trust_remote_code: bool = False, use_preset: bool = True):
+    """The model's config: with `use_preset`, a shipped preset (no download) for a hub id under
+    scripts/presets; otherwise, or without one, the checkpoint's own."""
+    from transformers import AutoConfig
+
+    preset = preset_config_path(model_name) if use_preset else None
+    if preset is not None and not os.path.isdir(model_name):
+        return AutoConfig.for_model(**json.loads(preset.read_text()))
+    try:
+        return AutoConfig.from_pretrained(model_name, trust_remote_code=trust_remote_code)
+    except OSError as error:
+        raise FlexInferenceError(f"could not read the config of {model_name}: {str(error).splitlines()[0]}")
+
+
+def load_tokenizer(model_name: str, trust_remote_code: bool = False, required: bool = True):
+    """The checkpoint's tokenizer; None when there is none and it is not `required`."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_name, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        if required:
+            raise FlexInferenceError(f"could not load the tokenizer of {model_name}: {str(error).splitlines()[0]}")
+        return None
+
+
+def load_causal_lm(
+    path: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    load_format: str = "auto",
+    load_in_4bit: bool = False,
+    trust_remote_code: bool = False,
+    allow_pickle_weights: bool = False,
+    seed: int = 0,
+    model_class=None,
+    config_hook=None,
+) -> nn.Module:
+    """Loads a causal LM (eager attention) on `device`, in eval mode.
+
+    load_format "dummy" builds it from its config alone with random weights (seeded; for
+    benchmarks). Weights come from safetensors unless `allow_pickle_weights` (pickles can run
+    code); `load_in_4bit` quantises them to bitsandbytes NF4 while loading (CUDA only).
+    `config_hook` maps the config before a dummy build (e.g. to a multimodal config's text part).
+    """
+    from transformers import AutoModelForCausalLM
+
+    model_class = model_class or AutoModelForCausalLM
+    if load_format == "dummy":
+        config = load_config(path, trust_remote_code)
+        if config_hook is not None:
+            config = config_hook(config)
+        if load_in_4bit:
+            raise FlexInferenceError(
+                "load_in_4bit quantises real weights while loading; it cannot be combined with load_format dummy",
+                "load_in_4bit",
+                "load_format",
+            )
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
+        return model.eval()
+    check_model_path(path)
+    kwargs = dict(dtype=dtype, attn_implementation="eager", trust_remote_code=trust_remote_code)
+    kwargs["use_safetensors"] = None if allow_pickle_weights else True
+    if load_in_4bit:
+        if device.type != "cuda":
+            raise FlexInferenceError("load_in_4bit needs a CUDA GPU (bitsandbytes NF4)", "load_in_4bit")
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+        kwargs["device_map"] = {"": device.index or 0}
+    try:
+        model = model_class.from_pretrained(path, **kwargs)
+    except (OSError, ValueError) as error:
+        first_line = str(error).strip().splitlines()[0]
+        if "safetensors" in first_line or ".bin" in first_line or "pytorch_model" in first_line:
+            raise FlexInferenceError(
+                f"{path} has no safetensors weights; pickled ones can run code, so they load only with allow_pickle_weights",
+                "allow_pickle_weights",
+            )
+        raise FlexInferenceError(f"could not load {path}: {first_line}")
+    if not load_in_4bit:
+        model = model.to(device)
+    return model.eval()
+
+
+def load_peft_adapter(model: nn.Module, adapter_path: str):
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(model, adapter_path, is_trainable=False)
+
+
+def load_lora(model: nn.Module, adapter_path: str, load_adapter=None) -> nn.Module:
+    """`model` wrapped with the PEFT LoRA adapter at `adapter_path` (through `load_adapter`,
+    default load_peft_adapter), in eval mode."""
+    if not os.path.isdir(adapter_path):
+        raise FlexInferenceError(f"LoRA adapter folder {adapter_path} does not exist")
+    try:
+        peft_model = (load_adapter or load_peft_adapter)(model, adapter_path)
+    except (ValueError, KeyError, RuntimeError) as error:
+        raise FlexInferenceError(f"the adapter at {adapter_path} does not fit this model: {str(error).strip().splitlines()[0]}")
+    return peft_model.eval()
+
+
 # ---------------------------------------------------------------------------------------------
 # CLI
 # ---------------------------------------------------------------------------------------------
 
-PRESETS_DIR = Path(__file__).resolve().parent / "scripts" / "presets"
+DEMO_PROMPTS_PATH = Path(__file__).resolve().parent / "scripts" / "demo_prompts.txt"
+
+GRPO_SYSTEM_PROMPT = (
+    "You are given a problem. Think about the problem and provide your working out. "
+    "Place it between <start_working_out> and <end_working_out>. "
+    "Then, provide your solution between <SOLUTION></SOLUTION>."
+)
+
+
+def main(argv=None) -> None:
+    args = build_arg_parser("unsloth/Qwen3-4B-Base", "Greedy rollouts for Qwen3 / Llama-3.2 on flex_attention.").parse_args(argv)
+    run_cli(args)
 
 
 def build_arg_parser(default_model_name: str, description: str) -> argparse.ArgumentParser:
@@ -1823,7 +2193,7 @@ def build_arg_parser(default_model_name: str, description: str) -> argparse.Argu
     p.add_argument("--fa4_prefill", action=argparse.BooleanOptionalAction, default=None, help="prefill with flex_attention's FLASH backend (default: only where it is supported)")
     p.add_argument("--decode_kernel_options", default=None, help="JSON dict of flex_attention kernel options for decode, overriding the defaults")
     p.add_argument("--prefill_kernel_options", default=None, help="JSON dict of flex_attention kernel options for prefill, overriding the defaults")
-    p.add_argument("--prompts_file", default=None, help="prompts as JSONL (prompt/text/messages per line) or one prompt per line")
+    p.add_argument("--prompts_file", default=None, help="prompts as JSONL (prompt/text/messages per line) or one prompt per line (default: built-in math word problems)")
     p.add_argument("--load_format", choices=["auto", "dummy"], default="auto", help="dummy: random weights built from the config alone (benchmarks)")
     p.add_argument("--seed", type=int, default=0, help="random seed (dummy weights, drift perturbations)")
     p.add_argument("--trust_remote_code", action="store_true", help="allow code shipped inside the checkpoint to run")
@@ -1832,203 +2202,52 @@ def build_arg_parser(default_model_name: str, description: str) -> argparse.Argu
     return p
 
 
-def parse_json_dict(text: str | None, flag: str) -> dict | None:
-    if text is None:
-        return None
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise SystemExit(f"{flag} is not valid JSON ({error.msg}): pass a JSON object such as '{{\"BLOCK_N\": 32}}'")
-    if not isinstance(value, dict):
-        raise SystemExit(f"{flag} must be a JSON object such as '{{\"BLOCK_N\": 32}}'")
-    return value
-
-
-def resolve_device_and_dtype(args) -> tuple[torch.device, torch.dtype]:
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda asked for, but no CUDA device is available")
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else args.device if args.device != "auto" else "cpu")
-    dtype_name = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
-    return device, getattr(torch, dtype_name)
-
-
-def check_model_path(model_name: str) -> None:
-    """A local-looking path that does not exist fails here rather than as a hub lookup."""
-    looks_local = model_name.startswith((".", "/", "~")) or model_name.count("/") != 1
-    if looks_local and not os.path.exists(os.path.expanduser(model_name)):
-        raise SystemExit(f"model path {model_name} does not exist: pass a checkpoint folder or a hub id")
-
-
-def preset_config_path(model_name: str) -> Path | None:
-    path = PRESETS_DIR / (model_name.replace("/", "__") + ".json")
-    return path if path.exists() else None
-
-
-def load_config(model_name: str, trust_remote_code: bool):
-    from transformers import AutoConfig
-
-    preset = preset_config_path(model_name)
-    if preset is not None and not os.path.isdir(model_name):  # shipped preset: no download needed
-        return AutoConfig.for_model(**json.loads(preset.read_text()))
-    try:
-        return AutoConfig.from_pretrained(model_name, trust_remote_code=trust_remote_code)
-    except OSError as error:
-        raise SystemExit(f"could not read the config of {model_name}: {str(error).splitlines()[0]}")
-
-
-def load_tokenizer(model_name: str, trust_remote_code: bool, required: bool):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(model_name, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as error:
-        if required:
-            raise SystemExit(f"could not load the tokenizer of {model_name}: {str(error).splitlines()[0]}")
-        return None
-
-
-def load_causal_lm(args, device, dtype, model_class=None, config_hook=None):
-    """Loads (or, with --load_format dummy, builds with random weights) a causal LM on `device`."""
-    from transformers import AutoModelForCausalLM
-
-    model_class = model_class or AutoModelForCausalLM
-    if args.load_format == "dummy":
-        config = load_config(args.model_name, args.trust_remote_code)
-        if config_hook is not None:
-            config = config_hook(config)
-        if args.load_in_4bit:
-            raise SystemExit("--load_in_4bit quantises real weights while loading; it cannot be combined with --load_format dummy")
-        torch.manual_seed(args.seed)
-        with torch.device(device):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
-        return model.eval()
-    check_model_path(args.model_name)
-    kwargs = dict(dtype=dtype, attn_implementation="eager", trust_remote_code=args.trust_remote_code)
-    kwargs["use_safetensors"] = None if args.allow_pickle_weights else True
-    if args.load_in_4bit:
-        if device.type != "cuda":
-            raise SystemExit("--load_in_4bit needs a CUDA GPU (bitsandbytes NF4)")
-        from transformers import BitsAndBytesConfig
-
-        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
-        kwargs["device_map"] = {"": device.index or 0}
-    try:
-        model = model_class.from_pretrained(args.model_name, **kwargs)
-    except (OSError, ValueError) as error:
-        first_line = str(error).strip().splitlines()[0]
-        if "safetensors" in first_line or ".bin" in first_line or "pytorch_model" in first_line:
-            raise SystemExit(f"{args.model_name} has no safetensors weights; pass --allow_pickle_weights to load pickled ones")
-        raise SystemExit(f"could not load {args.model_name}: {first_line}")
-    if not args.load_in_4bit:
-        model = model.to(device)
-    return model.eval()
-
-
-def load_peft_adapter(model, adapter_path: str):
-    from peft import PeftModel
-
-    return PeftModel.from_pretrained(model, adapter_path, is_trainable=False)
-
-
-def attach_lora(model, args, load_adapter=None):
-    """Wraps `model` with the adapter at --lora_adapter. Returns (model to run, peft model or None)."""
-    if args.lora_adapter is None:
-        if args.verify_no_drift:
-            raise SystemExit("--verify_no_drift checks a LoRA refresh: pass --lora_adapter too")
-        return model, None
-    if not os.path.isdir(args.lora_adapter):
-        raise SystemExit(f"LoRA adapter folder {args.lora_adapter} does not exist")
-    if args.load_in_4bit and not args.no_merge_lora:
-        raise SystemExit("a LoRA adapter cannot be merged into 4-bit weights: add --no_merge_lora")
-    if args.verify_no_drift and args.no_merge_lora:
-        raise SystemExit("--verify_no_drift checks the merged double-copy; drop --no_merge_lora")
-    try:
-        peft_model = (load_adapter or load_peft_adapter)(model, args.lora_adapter)
-    except (ValueError, KeyError, RuntimeError) as error:
-        raise SystemExit(f"the adapter at {args.lora_adapter} does not fit this model: {str(error).strip().splitlines()[0]}")
-    peft_model.eval()
-    return peft_model, (None if args.no_merge_lora else peft_model)
-
-
-def read_prompts(args) -> list:
-    """Prompts as strings or chat message lists, cycled to --n_prompts."""
-    if args.n_prompts < 1:
-        raise SystemExit(f"--n_prompts must be at least 1, got {args.n_prompts}")
-    prompts: list = DEFAULT_PROMPTS
-    if args.prompts_file is not None:
-        if not os.path.isfile(args.prompts_file):
-            raise SystemExit(f"prompts file {args.prompts_file} does not exist")
-        lines = [line for line in Path(args.prompts_file).read_text().splitlines() if line.strip()]
-        is_jsonl = args.prompts_file.endswith(".jsonl") or (lines and lines[0].lstrip().startswith("{"))
-        prompts = []
-        for number, line in enumerate(lines, 1):
-            if not is_jsonl:
-                prompts.append(line)
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                raise SystemExit(f"line {number} of {args.prompts_file} is not valid JSON")
-            value = record if isinstance(record, str) else next((record[k] for k in ("messages", "prompt", "text") if k in record), None)
-            if value is None:
-                raise SystemExit(f"line {number} of {args.prompts_file} has no prompt, text or messages field")
-            prompts.append(value)
-        if not prompts:
-            raise SystemExit(f"prompts file {args.prompts_file} holds no prompts")
-    return [prompts[i % len(prompts)] for i in range(args.n_prompts)]
-
-
-def format_prompt(tokenizer, prompt, chat_template: str) -> str:
-    """grpo: system prompt + user turn; native: the user's turn(s) as given; in the tokenizer's template."""
-    messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-    if chat_template == "grpo":
-        messages = [{"role": "system", "content": GRPO_SYSTEM_PROMPT}] + [m for m in messages if m["role"] != "system"]
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return "\n\n".join(m["content"] for m in messages) + "\n\n"
-
-
-def make_sequences(prompts, tokenizer, chat_template: str, vocab_size: int, seed: int) -> list[Sequence]:
-    if tokenizer is None:  # dummy weights without a tokenizer: fixed random 128-token prompts
-        generator = random.Random(seed)
-        return [Sequence(input_ids=[generator.randrange(3, vocab_size) for _ in range(128)]) for _ in prompts]
-    sequences = []
-    for prompt in prompts:
-        text = format_prompt(tokenizer, prompt, chat_template)
-        sequences.append(Sequence(text=text, input_ids=tokenizer(text, add_special_tokens=False)["input_ids"]))
-    return sequences
-
-
-def peak_memory_gb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
-
-
 def run_cli(args, engine_class=None, load_model=None, default_chat_template: str = "grpo", load_adapter=None) -> dict:
+    """Runs the CLI on parsed `args`; returns the stats. Bad input ends the process with one
+    sentence and a non-zero exit, the library's parameter names written as flags."""
+    try:
+        return run_rounds(args, engine_class or FlexInference, load_model or load_causal_lm, default_chat_template, load_adapter)
+    except FlexInferenceError as error:
+        raise SystemExit(cli_message(error, vars(args)))
+
+
+def cli_message(error: FlexInferenceError, flags) -> str:
+    """The error's sentence with each parameter it names (that is also a flag) written as that flag."""
+    message = str(error)
+    for param in error.params:
+        if param in flags:
+            message = re.sub(rf"(?<![\w-]){param}(?!\w)", "--" + param, message)
+    return message
+
+
+def check_cli_args(args) -> None:
+    """Flag combinations the CLI refuses, before anything is loaded."""
+    for flag in ("max_new_tokens", "n_rounds", "verify_iterations"):
+        if getattr(args, flag) < 1:
+            raise FlexInferenceError(f"--{flag} must be at least 1, got {getattr(args, flag)}")
+    if args.verify_no_drift and args.lora_adapter is None:
+        raise FlexInferenceError("--verify_no_drift checks a LoRA refresh: pass --lora_adapter too")
+    if args.lora_adapter is not None and args.load_in_4bit and not args.no_merge_lora:
+        raise FlexInferenceError("a LoRA adapter cannot be merged into 4-bit weights: add --no_merge_lora")
+    if args.verify_no_drift and args.no_merge_lora:
+        raise FlexInferenceError("--verify_no_drift checks the merged double-copy; drop --no_merge_lora")
+    check_engine_limits(args.max_batch_size, args.max_seq_length, args.n_pages, args.page_size, args.max_new_tokens)
+
+
+def run_rounds(args, engine_class, load_model, default_chat_template: str, load_adapter) -> dict:
     """Loads the model, builds the engine, generates --n_rounds times, prints one summary line.
 
     Under torchrun each rank runs one engine on its contiguous block of the prompts; rank 0 gathers
     the completions in input order, prints and writes the stats (totals and one entry per rank).
     """
-    engine_class = engine_class or FlexInference
-    load_model = load_model or load_causal_lm
-    for flag in ("max_new_tokens", "n_rounds", "verify_iterations"):
-        if getattr(args, flag) < 1:
-            raise SystemExit(f"--{flag} must be at least 1, got {getattr(args, flag)}")
+    check_cli_args(args)
     decode_options = parse_json_dict(args.decode_kernel_options, "--decode_kernel_options")
     prefill_options = parse_json_dict(args.prefill_kernel_options, "--prefill_kernel_options")
-    try:
-        check_engine_limits(args.max_batch_size, args.max_seq_length, args.n_pages, args.page_size, args.max_new_tokens)
-    except ValueError as error:
-        raise SystemExit(str(error))
-    prompts = read_prompts(args)
+    prompts = read_prompts(args.prompts_file, args.n_prompts)
     torch.manual_seed(args.seed)
-    device, dtype = resolve_device_and_dtype(args)
+    device, dtype = resolve_device_and_dtype(args.device, args.dtype)
     if args.capture_cudagraph and device.type != "cuda":
-        raise SystemExit("--capture_cudagraph needs a CUDA device")
+        raise FlexInferenceError("--capture_cudagraph needs a CUDA device")
     owns_process_group = is_torchrun() and not is_data_parallel()
     device = init_data_parallel(device)
     is_distributed = is_data_parallel()
@@ -2040,11 +2259,25 @@ def run_cli(args, engine_class=None, load_model=None, default_chat_template: str
         transformers_logging.disable_progress_bar()
 
     start = time.perf_counter()
-    model = load_model(args, device, dtype)
+    model = load_model(
+        args.model_name,
+        dtype,
+        device,
+        load_format=args.load_format,
+        load_in_4bit=args.load_in_4bit,
+        trust_remote_code=args.trust_remote_code,
+        allow_pickle_weights=args.allow_pickle_weights,
+        seed=args.seed,
+    )
     # Dummy weights take a tokenizer only from a local folder: a preset needs no network.
     is_dummy = args.load_format == "dummy"
-    tokenizer = None if is_dummy and not os.path.isdir(args.model_name) else load_tokenizer(args.model_name, args.trust_remote_code, required=not is_dummy)
-    model, peft_model = attach_lora(model, args, load_adapter)
+    tokenizer = None
+    if not is_dummy or os.path.isdir(args.model_name):
+        tokenizer = load_tokenizer(args.model_name, args.trust_remote_code, required=not is_dummy)
+    peft_model = None
+    if args.lora_adapter is not None:
+        model = load_lora(model, args.lora_adapter, load_adapter)
+        peft_model = None if args.no_merge_lora else model
     load_s = time.perf_counter() - start
     _say(args, f"loaded {args.model_name} in {load_s:.1f} s")
 
@@ -2074,19 +2307,15 @@ def run_cli(args, engine_class=None, load_model=None, default_chat_template: str
     sequences: list[Sequence] = []
     shard: list[Sequence] = []  # this rank's block of sequences (all of them in a plain run)
     for _ in range(args.n_rounds):
-        try:
-            sequences = make_sequences(prompts, tokenizer, chat_template, engine.config.vocab_size, args.seed)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            shard = generate_shard(engine, sequences, capture_cudagraph=args.capture_cudagraph, progress=not args.quiet)
-        except ValueError as error:
-            raise SystemExit(str(error))
+        sequences = make_sequences(prompts, tokenizer, chat_template, engine.config.vocab_size, args.seed)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        shard = generate_shard(engine, sequences, capture_cudagraph=args.capture_cudagraph, progress=not args.quiet)
         rank_wall_times.append(time.perf_counter() - start)
         gather_outputs(sequences)  # a round ends when the slowest rank's completions are in
         wall_times.append(time.perf_counter() - start)
         n_decoded = sum(len(seq.output_ids) for seq in sequences)
-
     rank_n_decoded = sum(len(seq.output_ids) for seq in shard)
     rank_stats = {
         "rank": rank,
@@ -2126,7 +2355,7 @@ def run_cli(args, engine_class=None, load_model=None, default_chat_template: str
         "decode_tps_best": max(decode_tps),
         "max_new_tokens": args.max_new_tokens,
         "peak_memory_gb": max(r["peak_memory_gb"] for r in ranks),
-        "kv_bytes_per_token": engine.kv_bytes_per_token,
+        "kv_bytes_per_token": engine.runner.kv_bytes_per_token,
         "load_s": load_s,
         "capture_s": rank_stats["capture_s"],
         # Summed over the ranks (one rank in a plain run).
@@ -2151,7 +2380,7 @@ def run_cli(args, engine_class=None, load_model=None, default_chat_template: str
             f"{stats['decode_tps_median']:.0f} tok/s (best {stats['decode_tps_best']:.0f}), peak {stats['peak_memory_gb']:.2f} GB"
         )
     if drift is not None and not drift["passed"]:
-        raise SystemExit("drift verification failed: the pristine or restored weights changed")
+        raise FlexInferenceError("drift verification failed: the pristine or restored weights changed")
     return stats
 
 
@@ -2160,9 +2389,90 @@ def _say(args, line: str) -> None:
         print(line, file=sys.stderr)
 
 
-def main(argv=None) -> None:
-    args = build_arg_parser("unsloth/Qwen3-4B-Base", "Greedy rollouts for Qwen3 / Llama-3.2 on flex_attention.").parse_args(argv)
-    run_cli(args)
+def parse_json_dict(text: str | None, flag: str) -> dict | None:
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise FlexInferenceError(f"{flag} is not valid JSON ({error.msg}): pass a JSON object such as '{{\"BLOCK_N\": 32}}'")
+    if not isinstance(value, dict):
+        raise FlexInferenceError(f"{flag} must be a JSON object such as '{{\"BLOCK_N\": 32}}'")
+    return value
+
+
+def resolve_device_and_dtype(device_name: str, dtype_name: str) -> tuple[torch.device, torch.dtype]:
+    """--device and --dtype: auto picks CUDA where there is one, and bfloat16 on CUDA, float32 on the CPU."""
+    if device_name == "cuda" and not torch.cuda.is_available():
+        raise FlexInferenceError("--device cuda asked for, but no CUDA device is available")
+    if device_name == "auto":
+        device_name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device_name)
+    if dtype_name == "auto":
+        dtype_name = "bfloat16" if device.type == "cuda" else "float32"
+    return device, getattr(torch, dtype_name)
+
+
+def demo_prompts() -> list[str]:
+    """The built-in prompts: math word problems written for this project, so the demo needs no network."""
+    return [line for line in DEMO_PROMPTS_PATH.read_text().splitlines() if line.strip()]
+
+
+def read_prompts(prompts_file: str | None, n_prompts: int) -> list:
+    """Prompts as strings or chat message lists (default: the demo prompts), cycled to `n_prompts`."""
+    if n_prompts < 1:
+        raise FlexInferenceError(f"n_prompts must be at least 1, got {n_prompts}", "n_prompts")
+    prompts: list = demo_prompts()
+    if prompts_file is not None:
+        if not os.path.isfile(prompts_file):
+            raise FlexInferenceError(f"prompts file {prompts_file} does not exist")
+        lines = [line for line in Path(prompts_file).read_text().splitlines() if line.strip()]
+        is_jsonl = prompts_file.endswith(".jsonl") or (lines and lines[0].lstrip().startswith("{"))
+        prompts = []
+        for number, line in enumerate(lines, 1):
+            if not is_jsonl:
+                prompts.append(line)
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                raise FlexInferenceError(f"line {number} of {prompts_file} is not valid JSON")
+            value = record if isinstance(record, str) else next((record[k] for k in ("messages", "prompt", "text") if k in record), None)
+            if value is None:
+                raise FlexInferenceError(f"line {number} of {prompts_file} has no prompt, text or messages field")
+            prompts.append(value)
+        if not prompts:
+            raise FlexInferenceError(f"prompts file {prompts_file} holds no prompts")
+    return [prompts[i % len(prompts)] for i in range(n_prompts)]
+
+
+def format_prompt(tokenizer, prompt, chat_template: str) -> str:
+    """grpo: system prompt + user turn; native: the user's turn(s) as given; in the tokenizer's template."""
+    messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    if chat_template == "grpo":
+        messages = [{"role": "system", "content": GRPO_SYSTEM_PROMPT}] + [m for m in messages if m["role"] != "system"]
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return "\n\n".join(m["content"] for m in messages) + "\n\n"
+
+def make_sequences(prompts, tokenizer, chat_template: str, vocab_size: int, seed: int) -> list[Sequence]:
+    if tokenizer is None:  # dummy weights without a tokenizer: fixed random 128-token prompts
+        generator = random.Random(seed)
+        return [Sequence(input_ids=[generator.randrange(3, vocab_size) for _ in range(128)]) for _ in prompts]
+    sequences = []
+    for prompt in prompts:
+        text = format_prompt(tokenizer, prompt, chat_template)
+        sequences.append(Sequence(text=text, input_ids=tokenizer(text, add_special_tokens=False)["input_ids"]))
+    return sequences
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
+
 
 
 if __name__ == "__main__":

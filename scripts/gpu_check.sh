@@ -57,7 +57,7 @@ run() {  # run NAME CMD...: logs the command, its status and its time
   for phase in $phases; do
     case $phase in
       kernels)
-        run kernel_options $PY scripts/benchmarks/flex_kernel_options.py --out "$OUT/kernel_options.json" ;;
+        run kernel_options $PY -m scripts.benchmarks.flex_kernel_options --out "$OUT/kernel_options.json" ;;
       tests)
         run gpu_tests $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py ;;
       bench)
@@ -81,32 +81,32 @@ run() {  # run NAME CMD...: logs the command, its status and its time
           --n_prompts 64 --max_batch_size 64 --max_seq_length 1024 --n_pages 1024 --max_new_tokens 128 --stats_path "$OUT/stats/gemma4_e2b_b64_eager.json"
         ;;
       flex_decode)
-        run flex_decode_options $PY scripts/benchmarks/flex_kernel_options.py --skip_prefill --out "$OUT/flex_decode_options.json" ;;
+        run flex_decode_options $PY -m scripts.benchmarks.flex_kernel_options --skip_prefill --out "$OUT/flex_decode_options.json" ;;
       rollouts_quick)
-        run rollouts_quick $PY scripts/benchmarks/bench_rollouts.py --batch_sizes 64 1 --systems engine_fused_compiled_graph \
+        run rollouts_quick $PY -m scripts.benchmarks.bench_rollouts --batch_sizes 64 1 --systems engine_fused_compiled_graph \
           --profile --out "$OUT/rollouts_quick.json" ;;
       rollouts_rest)
-        run rollouts_b8 $PY scripts/benchmarks/bench_rollouts.py --batch_sizes 8 --systems engine_fused_compiled_graph --out "$OUT/rollouts_b8.json"
-        run rollouts_cublas_b1 $PY scripts/benchmarks/bench_rollouts.py --batch_sizes 1 --systems engine_fused_compiled_graph_cublas \
+        run rollouts_b8 $PY -m scripts.benchmarks.bench_rollouts --batch_sizes 8 --systems engine_fused_compiled_graph --out "$OUT/rollouts_b8.json"
+        run rollouts_cublas_b1 $PY -m scripts.benchmarks.bench_rollouts --batch_sizes 1 --systems engine_fused_compiled_graph_cublas \
           --out "$OUT/rollouts_cublas_b1.json"
-        run rollouts_hf_quick $PY scripts/benchmarks/bench_rollouts.py --batch_sizes 64 1 --systems hf_cb hf_dynamic --out "$OUT/rollouts_hf.json" ;;
+        run rollouts_hf_quick $PY -m scripts.benchmarks.bench_rollouts --batch_sizes 64 1 --systems hf_cb hf_dynamic --out "$OUT/rollouts_hf.json" ;;
       gemv)
-        run gemv $PY scripts/benchmarks/bench_gemv.py --out "$OUT/gemv.json" ;;
+        run gemv $PY -m scripts.benchmarks.bench_gemv --out "$OUT/gemv.json" ;;
       profile)
-        run profile_decode $PY scripts/benchmarks/profile_decode.py --batch_sizes 1 64 --out "$OUT/profile_decode.json" ;;
+        run profile_decode $PY -m scripts.benchmarks.profile_decode --batch_sizes 1 64 --out "$OUT/profile_decode.json" ;;
       rollouts)
-        run rollouts $PY scripts/benchmarks/bench_rollouts.py --batch_sizes 64 8 1 --systems engine_fused_compiled_graph engine_graph \
+        run rollouts $PY -m scripts.benchmarks.bench_rollouts --batch_sizes 64 8 1 --systems engine_fused_compiled_graph engine_graph \
           --profile --out "$OUT/rollouts.json" ;;
       rollouts_ablation)
-        run rollouts_ablation $PY scripts/benchmarks/bench_rollouts.py --batch_sizes 64 8 1 --systems engine_compiled_graph engine_eager \
+        run rollouts_ablation $PY -m scripts.benchmarks.bench_rollouts --batch_sizes 64 8 1 --systems engine_compiled_graph engine_eager \
           --out "$OUT/rollouts_ablation.json" ;;
       rollouts_qwen3)
-        run rollouts_qwen3 $PY scripts/benchmarks/bench_rollouts.py --preset unsloth__Qwen3-4B-Base --batch_sizes 64 \
+        run rollouts_qwen3 $PY -m scripts.benchmarks.bench_rollouts --preset unsloth__Qwen3-4B-Base --batch_sizes 64 \
           --systems engine_fused_compiled_graph engine_graph --out "$OUT/rollouts_qwen3.json" ;;
       rollouts_hf)
-        run rollouts_hf $PY scripts/benchmarks/bench_rollouts.py --batch_sizes 64 8 1 --systems hf_cb hf_dynamic --out "$OUT/rollouts_hf.json" ;;
+        run rollouts_hf $PY -m scripts.benchmarks.bench_rollouts --batch_sizes 64 8 1 --systems hf_cb hf_dynamic --out "$OUT/rollouts_hf.json" ;;
       rollouts_hf_compile)
-        run rollouts_hf_compile $PY scripts/benchmarks/bench_rollouts.py --batch_sizes 64 8 1 --systems hf_static_compile \
+        run rollouts_hf_compile $PY -m scripts.benchmarks.bench_rollouts --batch_sizes 64 8 1 --systems hf_static_compile \
           --hf_compile_mode "${HF_COMPILE_MODE:-reduce-overhead}" --out "$OUT/rollouts_hf_compile.json" ;;
       multi_gpu)
         num_gpus=$(nvidia-smi -L | wc -l)

@@ -40,7 +40,6 @@ Notes on transformers 5.x Gemma-4 (checked against 5.17):
 from __future__ import annotations
 
 import argparse
-import ast
 import contextlib
 import copy
 import hashlib
@@ -158,31 +157,9 @@ CHECK_MESSAGES = [
 
 # ============================================================================= corpus / tokenizer
 def _load_default_prompts() -> list[str]:
-    """DEFAULT_PROMPTS from qwen3_flex_inference.py.
-
-    Read with ``ast`` first (no import of the engine, no torch side effects, works while the engine
-    is being edited as long as the literal is intact); fall back to a real import.
-    """
-    src_path = REPO_ROOT / "qwen3_flex_inference.py"
-    try:
-        tree = ast.parse(src_path.read_text(encoding="utf-8"))
-        for node in tree.body:
-            targets = []
-            if isinstance(node, ast.Assign):
-                targets = node.targets
-            elif isinstance(node, ast.AnnAssign) and node.value is not None:
-                targets = [node.target]
-            if any(isinstance(t, ast.Name) and t.id == "DEFAULT_PROMPTS" for t in targets):
-                value = ast.literal_eval(node.value)
-                if isinstance(value, (list, tuple)) and value and all(isinstance(p, str) for p in value):
-                    return list(value)
-    except (OSError, SyntaxError, ValueError):
-        pass
-    if str(REPO_ROOT) not in sys.path:
-        sys.path.insert(0, str(REPO_ROOT))
-    from qwen3_flex_inference import DEFAULT_PROMPTS  # noqa: E402
-
-    return list(DEFAULT_PROMPTS)
+    """The CLI's demo prompts (scripts/demo_prompts.txt, one per line): the tokenizer's corpus."""
+    text = (REPO_ROOT / "scripts" / "demo_prompts.txt").read_text(encoding="utf-8")
+    return [line for line in text.splitlines() if line.strip()]
 
 
 def _build_corpus(prompts: list[str]) -> list[str]:
@@ -740,7 +717,7 @@ def ensure_tiny_checkpoints(out_dir=None, force: bool = False, verbose: bool = T
     """Return the root dir of the tiny checkpoints, building them first if missing or stale.
 
     The root holds a ``DONE`` marker with a version string (build version + hash of this script and of
-    DEFAULT_PROMPTS + library versions); a mismatch triggers a full rebuild (a few seconds). Building
+    the demo prompts + library versions); a mismatch triggers a full rebuild (a few seconds). Building
     happens in a temporary sibling folder which replaces ``out_dir`` at the end, under a file lock, so
     concurrent callers (e.g. pytest-xdist workers) are safe. Prints one line per checkpoint when it
     builds (``verbose``), nothing otherwise.

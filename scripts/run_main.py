@@ -1,12 +1,11 @@
 """The main job (`make run`): the Gemma-4 engine on the real unsloth/gemma-4-E2B-it where a CUDA
 GPU and the Hugging Face hub are both there, otherwise on the embedded tiny multimodal checkpoint
-on the CPU. Extra arguments go to gemma4_flex_inference.py."""
+on the CPU. Extra arguments go to gemma4_flex_inference.py.
+
+    python -m scripts.run_main [ARGS]   # from the repository root
+"""
 
 import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 REAL_MODEL = "unsloth/gemma-4-E2B-it"
 

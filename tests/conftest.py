@@ -1,15 +1,13 @@
 """Shared fixtures: the tiny checkpoints (built once per machine) and HF references."""
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from scripts.make_tiny_checkpoints import ensure_tiny_checkpoints
 
-from scripts.make_tiny_checkpoints import ensure_tiny_checkpoints  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="session")
@@ -71,7 +69,7 @@ def compiled_variants(function) -> int:
 
 def compiled_decode_regions() -> dict[str, int]:
     """How many compiled variants each region of the compiled decode step has."""
-    from qwen3_flex_inference import FlexInference, call_layer
+    from qwen3_flex_inference import ModelRunner, call_layer
 
-    regions = {"prologue": FlexInference._decode_prologue, "layer": call_layer, "epilogue": FlexInference._decode_epilogue}
+    regions = {"prologue": ModelRunner._decode_prologue, "layer": call_layer, "epilogue": ModelRunner._decode_epilogue}
     return {region: compiled_variants(function) for region, function in regions.items()}

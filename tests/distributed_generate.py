@@ -1,7 +1,7 @@
 """Run by tests/test_distributed.py under torchrun: `generate_sharded` on a gloo process group that
 this script initialises itself, as a trainer's ranks would, before the engine is built.
 
-    python -m torch.distributed.run --nproc_per_node 2 tests/distributed_generate.py SPEC_JSON
+    python -m torch.distributed.run --nproc_per_node 2 -m tests.distributed_generate SPEC_JSON   # from the repo root
 
 SPEC_JSON holds `model_dir`, `engine` (FlexInference keyword arguments), `cases` (case name -> list
 of prompts as token ids) and `out_dir`. Each rank writes out_dir/rank{rank}.json, case name ->
@@ -18,10 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from qwen3_flex_inference import FlexInference, Sequence, generate_sharded  # noqa: E402
+from qwen3_flex_inference import FlexInference, Sequence, generate_sharded
 
 # A rank left waiting in a collective fails after this instead of hanging the test.
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)

@@ -3,7 +3,7 @@ before triton is imported): skinny_matmul_triton with every SkinnyConfig on CPU 
 an fp64 reference, over row counts, shapes that are and are not multiples of the block sizes, and
 float32 / bfloat16.
 
-    TRITON_INTERPRET=1 python tests/skinny_kernel_check.py
+    TRITON_INTERPRET=1 python -m tests.skinny_kernel_check   # from the repo root
 
 Prints one JSON list: per case {"config", "M", "N", "K", "dtype", "rel_err"} with
 rel_err = ||out - ref|| / ||ref||, or {..., "error"} where the launch raised.
@@ -19,10 +19,7 @@ import torch
 import triton.language as tl
 from triton.runtime import interpreter
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from qwen3_flex_inference import SKINNY_CONFIGS, skinny_matmul_triton  # noqa: E402
+from qwen3_flex_inference import SKINNY_CONFIGS, skinny_matmul_triton
 
 ROWS = (1, 2, 3, 8, 16)
 SHAPES_NK = ((40, 96), (40, 1536), (256, 96), (256, 1536))

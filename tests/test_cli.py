@@ -94,8 +94,8 @@ PROCESS_RUNS = {
         f"sys.modules[{GEMMA4_MODULE!r}] = None  # import raises ImportError\n"
         "import gemma4_flex_inference\n"
         "try:\n"
-        "    gemma4_flex_inference._require_gemma4()\n"
-        "except SystemExit:\n"
+        "    gemma4_flex_inference.require_gemma4()\n"
+        "except gemma4_flex_inference.FlexInferenceError:\n"
         "    pass  # the simulated missing module took effect\n"
         "else:\n"
         "    sys.exit('the gemma4 module was still importable')\n"
@@ -174,7 +174,7 @@ def hf_completions(model_dir: Path, argv: list[str], chat_template: str, model_c
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     hf = load_hf(model_dir, model_class)
     sequences = qwen3_flex_inference.make_sequences(
-        qwen3_flex_inference.read_prompts(args), tokenizer, chat_template, hf.config.vocab_size, args.seed
+        qwen3_flex_inference.read_prompts(args.prompts_file, args.n_prompts), tokenizer, chat_template, hf.config.vocab_size, args.seed
     )
     prompts = [seq.input_ids for seq in sequences]
     assert all(len(ids) + MAX_NEW_TOKENS <= args.max_seq_length for ids in prompts), [len(ids) for ids in prompts]
@@ -406,11 +406,11 @@ def test_pickle_only_checkpoint_loads_with_allow_pickle_weights(pickle_only_chec
 # ---------------------------------------------------------------------------------------------
 
 
-def test_require_gemma4_exits_with_install_hint_when_gemma4_cannot_be_imported(monkeypatch, tiny_dir):
+def test_require_gemma4_raises_with_install_hint_when_gemma4_cannot_be_imported(monkeypatch, tiny_dir):
     monkeypatch.setitem(sys.modules, GEMMA4_MODULE, None)  # makes `import` raise ImportError
-    with pytest.raises(SystemExit) as info:
-        gemma4_flex_inference._require_gemma4()
-    assert_one_sentence(info.value.code, "transformers >= 5.5")
+    with pytest.raises(gemma4_flex_inference.FlexInferenceError) as info:
+        gemma4_flex_inference.require_gemma4()
+    assert_one_sentence(str(info.value), "transformers >= 5.5")
     # main() gives the same hint before loading anything.
     message = exit_message(gemma4_flex_inference, cli_argv(tiny_dir / "gemma4_text"))
     assert_one_sentence(message, "transformers >= 5.5")

@@ -16,7 +16,7 @@ import pytest
 
 import qwen3_flex_inference
 from conftest import random_prompts
-from qwen3_flex_inference import DEFAULT_PROMPTS, shard_slice
+from qwen3_flex_inference import demo_prompts, shard_slice
 
 ROOT = Path(__file__).resolve().parents[1]
 NUM_RANKS = 2
@@ -29,7 +29,7 @@ CLI_LIMITS = [
 ]  # fmt: skip
 # Three prompts on two ranks (blocks of 2 and 1) whose tiny-Qwen3 completions all differ, so that a
 # block gathered out of order would show; the stats' sample_completions hold exactly three.
-CLI_PROMPTS = DEFAULT_PROMPTS[2:5]
+CLI_PROMPTS = demo_prompts()[2:5]
 # Prompt lengths per API case: 5 prompts on 2 ranks (blocks of 3 and 2); 1 prompt (rank 1's block is empty).
 API_CASES = {"5_prompts_on_2_ranks": [23, 5, 40, 11, 17], "1_prompt_on_2_ranks": [13]}
 # Rank 1's block holds a prompt longer than max_seq_length, rank 0's is fine.
@@ -72,7 +72,7 @@ def runs(tiny_dir, tmp_path_factory):
         # No --quiet: a test checks that only rank 0 prints.
         "cli": torchrun("qwen3_flex_inference.py", *argv, "--stats_path", str(tmp / "stats.json")),
         "bad_input": torchrun("qwen3_flex_inference.py", *cli_argv(model_dir, bad_prompts, 2, "--quiet")),
-        "api": torchrun("tests/distributed_generate.py", str(spec)),
+        "api": torchrun("-m", "tests.distributed_generate", str(spec)),
     }
 
     single_process_stats = tmp / "single_process_stats.json"

@@ -1,8 +1,6 @@
 """Gemma-4 on the engine against Hugging Face (eager attention, float32, CPU) on tiny checkpoints
 with a 24-token sliding window, KV-shared layers of both types, PLE and the logit softcap."""
 
-import argparse
-
 import pytest
 import torch
 
@@ -18,12 +16,6 @@ def make_engine(model, **overrides):
     limits = dict(max_batch_size=4, max_seq_length=256, n_pages=64, page_size=16, max_new_tokens=MAX_NEW_TOKENS)
     limits.update(overrides)
     return FlexGemma4Inference(model, None, **limits)
-
-
-def load_args(path):
-    return argparse.Namespace(
-        model_name=str(path), load_format="auto", load_in_4bit=False, trust_remote_code=False, allow_pickle_weights=False, seed=0
-    )
 
 
 @pytest.fixture(scope="module", params=["gemma4_text", "gemma4_text_keqv"])
@@ -100,16 +92,16 @@ def test_shared_layers_allocate_no_cache_and_bytes_per_token_sum_the_rest(case):
     first_shared = config.num_hidden_layers - config.num_kv_shared_layers
     want_bytes = 0
     for layer_idx, attn in enumerate(case["hf"].model.layers):
-        cache = engine.kv_caches[layer_idx]
+        cache = engine.runner.kv_caches[layer_idx]
         if layer_idx >= first_shared:
             assert cache is None, f"shared layer {layer_idx} owns a cache"
             continue
         head_dim = config.per_layer_config[layer_idx].head_dim
         num_kv_heads = attn.self_attn.k_proj.out_features // head_dim
-        pool_pages = engine.page_tables[config.layer_types[layer_idx]].n_pages
+        pool_pages = engine.scheduler.page_tables[config.layer_types[layer_idx]].n_pages
         assert cache.k_cache.shape[1:] == (num_kv_heads, pool_pages * 16, head_dim)
         want_bytes += 2 * num_kv_heads * head_dim * 4
-    assert engine.kv_bytes_per_token == want_bytes, f"{engine.kv_bytes_per_token=} {want_bytes=}"
+    assert engine.runner.kv_bytes_per_token == want_bytes, f"{engine.runner.kv_bytes_per_token=} {want_bytes=}"
 
 
 def test_kv_shared_layers_read_the_last_non_shared_layer_of_their_type(case):
@@ -126,8 +118,8 @@ def test_kv_shared_layers_read_the_last_non_shared_layer_of_their_type(case):
 
 
 def test_multimodal_checkpoint_and_plain_checkpoint_give_identical_tokens(tiny_dir):
-    multimodal = load_gemma4(load_args(tiny_dir / "gemma4"), torch.device("cpu"), torch.float32)
-    plain = load_gemma4(load_args(tiny_dir / "gemma4_text"), torch.device("cpu"), torch.float32)
+    multimodal = load_gemma4(str(tiny_dir / "gemma4"), torch.float32, torch.device("cpu"))
+    plain = load_gemma4(str(tiny_dir / "gemma4_text"), torch.float32, torch.device("cpu"))
     assert type(multimodal).__name__ == "Gemma4ForCausalLM"
     assert not any("vision" in n or "audio" in n for n, _ in multimodal.named_parameters())
     assert multimodal.lm_head.weight is multimodal.model.embed_tokens.weight
@@ -169,7 +161,7 @@ def test_adapter_trained_on_the_multimodal_model_equals_hf_peft_merged(tiny_dir)
     path = tiny_dir / "gemma4"
     multimodal = Gemma4ForConditionalGeneration.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     reference = PeftModel.from_pretrained(multimodal, path / "lora").merge_and_unload().eval()
-    shell = load_gemma4(load_args(path), torch.device("cpu"), torch.float32)
+    shell = load_gemma4(str(path), torch.float32, torch.device("cpu"))
     peft_model = load_gemma4_adapter(shell, str(path / "lora"))
     engine = FlexGemma4Inference(peft_model, None, max_batch_size=4, max_seq_length=256, n_pages=64, page_size=16, max_new_tokens=MAX_NEW_TOKENS, peft_model=peft_model)
     assert len(engine.lora_targets) == 62, f"{len(engine.lora_targets)=}"  # 124 LoRA tensors = 62 modules
@@ -187,7 +179,7 @@ def test_prefill_shortcut_runs_kv_shared_layers_on_last_positions_only(case):
     rows_seen = {}
     hooks = [
         layer.register_forward_hook(lambda module, args, output, i=i: rows_seen.setdefault(i, []).append(output.shape[1]))
-        for i, layer in enumerate(engine.decoder.layers)
+        for i, layer in enumerate(engine.runner.decoder.layers)
     ]
     try:
         prompts = case["prompts"][:3]
@@ -200,11 +192,11 @@ def test_prefill_shortcut_runs_kv_shared_layers_on_last_positions_only(case):
     assert rows_seen[first_shared - 1] == rows_seen[0]
     assert all(rows_seen[i] == [len(prompts)] for i in range(first_shared, config.num_hidden_layers)), f"{rows_seen=}"
     assert [s.output_ids for s in sequences] == [w[:1] for w in case["want"][:3]]
-    engine.use_prefill_shortcut = False  # the path the benchmark compares against: same tokens
+    engine.runner.use_prefill_shortcut = False  # the path the benchmark compares against: same tokens
     try:
         unshortened = engine.generate([Sequence(input_ids=ids, max_new_tokens=1) for ids in prompts])
     finally:
-        engine.use_prefill_shortcut = True
+        engine.runner.use_prefill_shortcut = True
     assert [s.output_ids for s in unshortened] == [w[:1] for w in case["want"][:3]]
 
 
@@ -214,20 +206,20 @@ def test_sliding_window_pages_are_recycled_and_tokens_still_match_hf(tiny_dir):
     hf = load_hf(path)
     engine = make_engine(load_hf(path), max_batch_size=2, max_new_tokens=60)
     window, page_size = hf.config.sliding_window, 16
-    window_table = engine.page_tables["sliding_attention"]
-    assert window_table.n_pages < engine.page_table.n_pages, f"{window_table.n_pages=} {engine.page_table.n_pages=}"
+    window_table, full_table = engine.scheduler.page_tables["sliding_attention"], engine.scheduler.page_tables["full_attention"]
+    assert window_table.n_pages < full_table.n_pages, f"{window_table.n_pages=} {full_table.n_pages=}"
     max_window_pages = -(-window // page_size) + 1
     most_pages_seen = []
-    launch_decode = engine._launch_decode
+    launch_decode = engine.runner.launch_decode
 
     def checked_launch_decode(rows, use_graph, previous=None):
         for seq in rows:
             most_pages_seen.append(window_table.num_pages_of(seq.batch_idx))
             # the full-attention pool still holds every token
-            assert engine.page_table.num_pages_of(seq.batch_idx) == -(-seq.seq_len // page_size)
+            assert full_table.num_pages_of(seq.batch_idx) == -(-seq.seq_len // page_size)
         return launch_decode(rows, use_graph, previous)
 
-    engine._launch_decode = checked_launch_decode
+    engine.runner.launch_decode = checked_launch_decode
     prompts = random_prompts([90, 7, 41], hf.config.vocab_size, seed=9)
     sequences = engine.generate([Sequence(input_ids=ids) for ids in prompts])
     assert most_pages_seen and max(most_pages_seen) <= max_window_pages, f"{max(most_pages_seen)=} {max_window_pages=}"
@@ -255,7 +247,7 @@ def test_compiled_fused_decode_step_through_every_bucket_matches_hf(tiny_dir):
     engine.end_ids = set()
     prompts = random_prompts([5, 30, 17, 40, 9, 60, 3], hf.config.vocab_size, seed=3)
     new_tokens = [3, 30, 7, 20, 5, 9, 16]
-    layer_kinds = {(layer.self_attn.layer_type, layer.self_attn.is_kv_shared_layer, layer.mlp.down_proj.in_features) for layer in engine.decoder.layers}
+    layer_kinds = {(layer.self_attn.layer_type, layer.self_attn.is_kv_shared_layer, layer.mlp.down_proj.in_features) for layer in engine.runner.decoder.layers}
     compiled_before = compiled_decode_regions()
     sequences = engine.generate([Sequence(input_ids=ids, max_new_tokens=n) for ids, n in zip(prompts, new_tokens)])
     compiled = {region: n - compiled_before[region] for region, n in compiled_decode_regions().items()}

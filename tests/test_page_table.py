@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from qwen3_flex_inference import PageTable, check_engine_limits
+from qwen3_flex_inference import BatchSlots, PageTable, check_engine_limits
 
 
 def check_invariants(table: PageTable):
@@ -18,19 +18,20 @@ def check_invariants(table: PageTable):
     for batch_idx, pages in enumerate(table.pages_of):
         assert table.capacity[batch_idx] == len(pages) * table.page_size
         for logical_block_idx, physical_page_idx in enumerate(pages):
-            assert table.page_table_cpu[batch_idx, logical_block_idx] == physical_page_idx
+            assert table.logical_to_physical_cpu[batch_idx, logical_block_idx] == physical_page_idx
             assert table.physical_to_logical_cpu[batch_idx, physical_page_idx] == logical_block_idx
     assert (table.physical_to_logical_cpu >= 0).sum() == len(owned) + 1  # + slot 0 owning page 0
 
 
 def test_page_table_invariants_hold_through_random_allocate_reserve_erase():
-    table = PageTable(page_size=16, n_pages=40, max_batch_size=6, max_seq_length=256, device="cpu")
+    table = PageTable(page_size=16, n_pages=40, num_slots=6, max_seq_length=256, device="cpu")
+    slots = BatchSlots(num_slots=6)
     rng = random.Random(0)
     live: dict[int, int] = {}
     for _ in range(500):
         action = rng.random()
-        if action < 0.3 and table.can_allocate():
-            batch_idx = table.allocate()
+        if action < 0.3 and slots.can_allocate():
+            batch_idx = slots.allocate()
             assert batch_idx != 0, "slot 0 is reserved for padding rows"
             live[batch_idx] = 0
         elif action < 0.8 and live:
@@ -46,16 +47,17 @@ def test_page_table_invariants_hold_through_random_allocate_reserve_erase():
         elif live:  # erase (finish or preempt)
             batch_idx = rng.choice(list(live))
             table.erase(batch_idx)
+            slots.free(batch_idx)
             del live[batch_idx]
         check_invariants(table)
     table.flush()
-    assert torch.equal(table.page_table.cpu(), table.page_table_cpu)
+    assert torch.equal(table.logical_to_physical.cpu(), table.logical_to_physical_cpu)
     assert torch.equal(table.physical_to_logical.cpu(), table.physical_to_logical_cpu)
 
 
 def test_physical_slots_follow_the_page_table():
-    table = PageTable(page_size=16, n_pages=10, max_batch_size=3, max_seq_length=64, device="cpu")
-    a, b = table.allocate(), table.allocate()
+    table = PageTable(page_size=16, n_pages=10, num_slots=3, max_seq_length=64, device="cpu")
+    a, b = 1, 2
     table.reserve(a, 20)
     table.reserve(b, 40)
     table.reserve(a, 33)
@@ -80,14 +82,14 @@ def test_engine_limits_reject_bad_sizes_with_one_sentence(limits, message):
 
 
 def test_trimmed_blocks_recycle_their_pages_and_map_to_the_reserved_page():
-    table = PageTable(page_size=16, n_pages=8, max_batch_size=3, max_seq_length=256, device="cpu")
-    a = table.allocate()
+    table = PageTable(page_size=16, n_pages=8, num_slots=3, max_seq_length=256, device="cpu")
+    a = 1
     table.reserve(a, 40, first_needed_pos=20)  # block 0 (positions 0-15) is never stored
     assert table.pages_of[a][0] is None and table.num_pages_of(a) == 2
     assert table.physical_slots(a, 0, 16) == [0] * 16
     table.trim(a, 40)  # blocks 0-1 out of the window
     assert table.num_pages_of(a) == 1 and table.num_free_pages == 6
-    assert table.page_table_cpu[a, 1] == 0 and (table.physical_to_logical_cpu[a] >= 0).sum() == 1
+    assert table.logical_to_physical_cpu[a, 1] == 0 and (table.physical_to_logical_cpu[a] >= 0).sum() == 1
     # 7 usable pages, 6 free: growing to 146 tokens needs 7 new blocks (3-9), so block 2 must recycle
     assert table.can_reserve(146, a, first_needed_pos=48) and not table.can_reserve(146, a, first_needed_pos=0)
     table.trim(a, 48)

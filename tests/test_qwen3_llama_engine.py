@@ -51,7 +51,7 @@ def test_forced_preemption_still_matches_hf(case):
     assert sum(seq.num_preemptions for seq in sequences) > 0, "the pool was large enough: no preemption"
     for i, (seq, w) in enumerate(zip(sequences, case["want"])):
         assert seq.output_ids == w, f"prompt {i}: {seq.output_ids=} {w=}"
-    assert engine.page_table.num_used_pages == 0 and engine.page_table.num_free_pages == 17
+    assert engine.scheduler.page_tables["full_attention"].num_used_pages == 0 and engine.scheduler.page_tables["full_attention"].num_free_pages == 17
 
 
 def test_teacher_forced_logits_within_1e_4_of_hf(case):
@@ -99,23 +99,23 @@ def test_chained_decode_steps_stop_on_end_ids_and_match_hf(case):
     stop_id = case["want"][1][5]  # an end id in the middle of a completion
     want = hf_greedy(case["hf"], prompts, MAX_NEW_TOKENS, {stop_id})
     assert any(len(w) < MAX_NEW_TOKENS for w in want), "no completion stops early"
-    launch_decode, end_ids = engine._launch_decode, engine.end_ids
+    launch_decode, end_ids = engine.runner.launch_decode, engine.end_ids
     num_launches = {"fresh": 0, "chained": 0}
 
     def counted_launch_decode(rows, use_graph, previous=None):
         num_launches["fresh" if previous is None else "chained"] += 1
         return launch_decode(rows, use_graph, previous)
 
-    engine._launch_decode, engine.end_ids = counted_launch_decode, {stop_id}
+    engine.runner.launch_decode, engine.end_ids = counted_launch_decode, {stop_id}
     try:
         sequences = engine.generate([Sequence(input_ids=ids) for ids in prompts])
     finally:
-        engine._launch_decode, engine.end_ids = launch_decode, end_ids
+        engine.runner.launch_decode, engine.end_ids = launch_decode, end_ids
     for i, (seq, w) in enumerate(zip(sequences, want)):
         assert seq.output_ids == w, f"prompt {i}: {seq.output_ids=} {w=}"
         assert seq.finish_reason == ("stop" if len(w) < MAX_NEW_TOKENS else "length"), f"prompt {i}: {seq.finish_reason=}"
     assert num_launches["chained"] > num_launches["fresh"], f"{num_launches=}"
-    assert engine.page_table.num_used_pages == 0
+    assert engine.scheduler.page_tables["full_attention"].num_used_pages == 0
 
 
 def test_sequences_come_back_complete_in_input_order_as_the_same_objects(case):
@@ -161,7 +161,7 @@ def test_compiled_decode_step_is_compiled_once_for_all_buckets_and_layers_and_ma
     new_tokens = [3, 24, 7, 16, 2, 11, 20]
     compiled_before = compiled_decode_regions()
     sequences = engine.generate([Sequence(input_ids=ids, max_new_tokens=n) for ids, n in zip(prompts, new_tokens)])
-    assert engine.buckets == [2, 4, 8]
+    assert engine.runner.buckets == [2, 4, 8]
     compiled = {region: n - compiled_before[region] for region, n in compiled_decode_regions().items()}
     assert compiled == {"prologue": 1, "layer": 1, "epilogue": 1}, f"compiled per bucket or per layer: {compiled}"
     for seq, ids, n in zip(sequences, prompts, new_tokens):
@@ -170,14 +170,14 @@ def test_compiled_decode_step_is_compiled_once_for_all_buckets_and_layers_and_ma
 
 def test_fused_projections_give_the_same_tokens_as_hf(case):
     engine = make_engine(case["path"], fuse_projections=True)
-    attn = engine.decoder.layers[0].self_attn
+    attn = engine.runner.decoder.layers[0].self_attn
     assert attn.q_proj.weight.data_ptr() == attn.fused_qkv_weight.data_ptr(), "q_proj is not a view of the fused weight"
     assert generate(engine, case["prompts"]) == case["want"]
 
 
 def test_an_error_mid_generate_leaves_no_slot_or_page_held(case):
     engine = make_engine(case["path"])
-    launch_decode = engine._launch_decode
+    launch_decode = engine.runner.launch_decode
     calls = []
 
     def failing_launch_decode(*args):
@@ -186,12 +186,12 @@ def test_an_error_mid_generate_leaves_no_slot_or_page_held(case):
             raise KeyboardInterrupt
         return launch_decode(*args)
 
-    engine._launch_decode = failing_launch_decode
+    engine.runner.launch_decode = failing_launch_decode
     with pytest.raises(KeyboardInterrupt):
         generate(engine, case["prompts"])
-    table = engine.page_table
-    assert table.num_used_pages == 0 and len(table.free_batch_idx) == table.max_batch_size - 1
-    engine._launch_decode = launch_decode
+    table, slots = engine.scheduler.page_tables["full_attention"], engine.scheduler.slots
+    assert table.num_used_pages == 0 and slots.num_free == slots.num_slots - 1
+    engine.runner.launch_decode = launch_decode
     assert generate(engine, case["prompts"]) == case["want"]
 
 

@@ -10,7 +10,7 @@ of one. Median over replays; us per call and achieved TB/s (weight bytes / time)
 with one E2B decode step's GEMM time (the per-step use counts below): cuBLAS only, the best
 backend per shape, and the op's picks.
 
-    python scripts/benchmarks/bench_gemv.py --num_rows 1 2 8 16 --out gemv.json
+    python -m scripts.benchmarks.bench_gemv --num_rows 1 2 8 16 --out gemv.json
 """
 
 import argparse
@@ -24,9 +24,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
-import qwen3_flex_inference as engine  # noqa: E402
+import qwen3_flex_inference as engine
 
 # name -> (N, K, uses per E2B decode step). E2B: hidden 1536; 35 layers, the last 20 KV-shared
 # (q only, double-wide MLP); 8 query heads, 1 KV head, head_dim 256 (sliding) / 512 (full);

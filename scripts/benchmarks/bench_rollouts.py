@@ -14,7 +14,7 @@ Per system and batch: decode tok/s, ms per decode step, fraction of the roofline
 must read / copy bandwidth measured in this run), prefill tok/s, time to first token, warm-up
 (compile) time, peak memory. Writes JSON (`--out`) and prints a markdown table.
 
-    python scripts/benchmarks/bench_rollouts.py --preset unsloth__gemma-4-E2B-it --batch_sizes 1 8 64 --out bench.json
+    python -m scripts.benchmarks.bench_rollouts --preset unsloth__gemma-4-E2B-it --batch_sizes 1 8 64 --out bench.json
 """
 
 import argparse
@@ -26,10 +26,9 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
-from qwen3_flex_inference import SKINNY_CHOICES, FlexInference, Sequence  # noqa: E402
-from scripts.benchmarks.profile_decode import decode_kernel_table  # noqa: E402
+from qwen3_flex_inference import SKINNY_CHOICES, FlexInference, Sequence
+from scripts.benchmarks.profile_decode import decode_kernel_table
 
 SYSTEMS = [
     "engine_eager", "engine_graph", "engine_compiled_graph", "engine_fused_compiled_graph", "engine_fused_compiled_graph_cublas",
@@ -88,9 +87,9 @@ def kv_bytes_per_step(engine, batch_size: int, prompt_len: int, new_tokens: int)
     """Average KV bytes one decode step reads: each row's context (window-capped on sliding layers)."""
     mean_context = prompt_len + new_tokens / 2
     total = 0.0
-    for layer_idx, attn in enumerate(engine._attention_layers()):
-        cache = engine.kv_caches[getattr(attn, "kv_cache_layer_idx", layer_idx)]
-        window = engine.attention_regimes.get(getattr(attn, "layer_type", "full_attention"))
+    for layer_idx, attn in enumerate(engine.runner.attention_layers()):
+        cache = engine.runner.kv_caches[getattr(attn, "kv_cache_layer_idx", layer_idx)]
+        window = engine.runner.sliding_windows.get(getattr(attn, "layer_type", "full_attention"))
         context = min(mean_context, window) if window else mean_context
         total += cache.bytes_per_token * context
     return total * batch_size
@@ -136,11 +135,11 @@ def run_engine(model, prompts, new_tokens, use_graph, **options):
     num_steps = new_tokens - 1  # the first token comes from prefill
     prefill_tps_no_shortcut = float("nan")
     if getattr(engine, "use_prefill_shortcut", False):  # Gemma-4: the same prefill with every row through every layer
-        engine.use_prefill_shortcut = False
+        engine.runner.use_prefill_shortcut = False
         engine.generate([Sequence(input_ids=p, max_new_tokens=1) for p in prompts])  # compile the longer path
         engine.generate([Sequence(input_ids=p, max_new_tokens=1) for p in prompts])
         prefill_tps_no_shortcut = engine.timings["num_prefill_tokens"] / engine.timings["prefill_s"]
-        engine.use_prefill_shortcut = True
+        engine.runner.use_prefill_shortcut = True
     result = {
         "decode_tps": timings["num_decode_tokens"] / timings["decode_s"],
         "ms_per_step": 1e3 * timings["decode_s"] / num_steps,
@@ -256,7 +255,7 @@ def main() -> int:
                 if options["skinny_gemms"]:  # which backend each (N, K, dtype, row bucket) raced to
                     result["skinny_choices"] = {" ".join(map(str, key)): choice["winner"] for key, choice in SKINNY_CHOICES.items()}
                 kv_bytes = kv_bytes_per_step(engine, batch_size, args.prompt_len, args.new_tokens)
-                engine.restore_model()
+                engine.runner.restore_model()
                 del engine
             elif system == "hf_cb":
                 result = run_hf_cb(model, prompts, args.new_tokens)

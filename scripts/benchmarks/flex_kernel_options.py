@@ -8,7 +8,7 @@ context of 384 tokens); the block mask lists the pages as partial blocks only (t
 then splits: the whole pool length, not the row's pages). Each candidate is checked against SDPA
 (float32 math) and timed inside a CUDA graph (20 calls a replay), so launch overhead stays out.
 
-    python scripts/benchmarks/flex_kernel_options.py --out results.json
+    python -m scripts.benchmarks.flex_kernel_options --out results.json
 """
 
 import argparse

@@ -1,7 +1,7 @@
 """Where a decode step's time goes: per-kernel GPU time of eager decode steps (torch.profiler),
 by kernel class and top kernels, and the replay time of the batch's CUDA graph (CUDA events).
 
-    python scripts/benchmarks/profile_decode.py --preset unsloth__gemma-4-E2B-it --batch_sizes 1 64
+    python -m scripts.benchmarks.profile_decode --preset unsloth__gemma-4-E2B-it --batch_sizes 1 64
 """
 
 import argparse
@@ -13,9 +13,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
-from qwen3_flex_inference import FlexInference, Sequence  # noqa: E402
+from qwen3_flex_inference import FlexInference, Sequence
 
 
 def build(preset: str, max_batch_size: int, **options):
@@ -98,10 +97,10 @@ def main() -> int:
         first_generate_s = time.perf_counter() - start
         table, classes = decode_kernel_table(engine, prompts, num_steps=16)
         start = time.perf_counter()
-        bucket = next(b for b in engine.buckets if b >= batch_size)
+        bucket = next(b for b in engine.runner.buckets if b >= batch_size)
         engine.capture_cuda_graphs([bucket])
         capture_s = time.perf_counter() - start
-        graph, _, _ = engine.cuda_graphs[bucket]
+        graph, _, _ = engine.runner.cuda_graphs[bucket]
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         graph.replay()
         torch.cuda.synchronize()
