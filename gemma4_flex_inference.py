@@ -66,7 +66,9 @@ __all__ = [
     "run_drift_verification",
 ]
 
-GEMMA4_INSTALL_HINT = "Gemma-4 needs transformers >= 5.5, whose gemma4 module this install lacks: pip install -U 'transformers>=5.5'"
+GEMMA4_INSTALL_HINT = (
+    "Gemma-4 needs transformers >= 5.5, whose gemma4 module this install lacks: pip install -U 'transformers>=5.5'"
+)
 
 
 def require_gemma4() -> None:
@@ -114,7 +116,9 @@ def gemma4_attention_forward(self, hidden_states, position_embeddings, attention
     input_shape = hidden_states.shape[:-1]  # [B, S]
     hidden_shape = (*input_shape, -1, self.head_dim)
     cos, sin = position_embeddings
-    projections = [t.view(hidden_shape) for t in project(self, qkv_projections(self), "fused_qkv_weight", hidden_states)]
+    projections = [
+        t.view(hidden_shape) for t in project(self, qkv_projections(self), "fused_qkv_weight", hidden_states)
+    ]
     q = apply_rotary(self.q_norm(projections[0]).transpose(1, 2), cos, sin)  # [B, H, S, D]
     k = v = None  # KV-shared layers read their store layer's cache
     if not self.is_kv_shared_layer:
@@ -161,7 +165,9 @@ class Gemma4ModelRunner(ModelRunner):
         hidden_BSE = decoder.embed_tokens(input_ids_BS)
         per_layer_inputs_BSLP = None
         if decoder.hidden_size_per_layer_input:
-            per_layer_inputs_BSLP = decoder.project_per_layer_inputs(hidden_BSE, decoder.get_per_layer_inputs(input_ids_BS, None))
+            per_layer_inputs_BSLP = decoder.project_per_layer_inputs(
+                hidden_BSE, decoder.get_per_layer_inputs(input_ids_BS, None)
+            )
         position_embeddings = {t: decoder.rotary_emb(hidden_BSE, position_ids_BS, t) for t in self.sliding_windows}
         return hidden_BSE, {"per_layer_inputs": per_layer_inputs_BSLP, "position_embeddings": position_embeddings}
 
@@ -188,15 +194,21 @@ class Gemma4ModelRunner(ModelRunner):
         hidden_1NE = hidden_1TE[:, last_positions_N]
         per_layer_inputs_1TLP = layer_inputs["per_layer_inputs"]
         last_position_inputs = {
-            "per_layer_inputs": per_layer_inputs_1TLP[:, last_positions_N] if per_layer_inputs_1TLP is not None else None,
+            "per_layer_inputs": per_layer_inputs_1TLP[:, last_positions_N]
+            if per_layer_inputs_1TLP is not None
+            else None,
             "position_embeddings": {
                 regime: (cos[:, last_positions_N], sin[:, last_positions_N])
                 for regime, (cos, sin) in layer_inputs["position_embeddings"].items()
             },
         }
-        last_position_masks = packed_block_masks(step.document_id_T, self.sliding_windows, self.device, last_positions_N)
+        last_position_masks = packed_block_masks(
+            step.document_id_T, self.sliding_windows, self.device, last_positions_N
+        )
         last_position_step = dataclasses.replace(step, block_masks=last_position_masks)
-        hidden_1NE = self.run_layers(hidden_1NE, last_position_inputs, last_position_step, range(first_shared, num_layers))
+        hidden_1NE = self.run_layers(
+            hidden_1NE, last_position_inputs, last_position_step, range(first_shared, num_layers)
+        )
         return self.decoder.norm(hidden_1NE)
 
     def logits(self, hidden_NE: torch.Tensor) -> torch.Tensor:
@@ -249,7 +261,9 @@ def load_gemma4(path: str, dtype: torch.dtype, device: torch.device, **load_kwar
     from transformers import Gemma4ForCausalLM, Gemma4ForConditionalGeneration
 
     if load_kwargs.get("load_format") == "dummy":
-        return load_causal_lm(path, dtype, device, model_class=Gemma4ForCausalLM, config_hook=text_config_of, **load_kwargs)
+        return load_causal_lm(
+            path, dtype, device, model_class=Gemma4ForCausalLM, config_hook=text_config_of, **load_kwargs
+        )
     check_model_path(path)
     config = load_config(path, load_kwargs.get("trust_remote_code", False), use_preset=False)
     if getattr(config, "text_config", None) is None:
@@ -272,7 +286,9 @@ def load_gemma4_adapter(causal_lm: nn.Module, adapter_path: str):
     weights = load_file(weights_path) if weights_path.exists() else {}
     if not any(".language_model." in key for key in weights):
         return load_peft_adapter(causal_lm, adapter_path)
-    renamed = {key.replace(".model.language_model.", ".model."): w for key, w in weights.items() if ".language_model." in key}
+    renamed = {
+        key.replace(".model.language_model.", ".model."): w for key, w in weights.items() if ".language_model." in key
+    }
     if len(renamed) != len(weights):
         raise FlexInferenceError("the adapter also adapts the vision or audio towers, which the text engine drops")
     config = LoraConfig.from_pretrained(adapter_path)

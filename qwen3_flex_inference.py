@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -145,7 +144,11 @@ class FlexInference:
         sliding_windows = attention_regimes(self.config)
         page_tables = {
             regime: PageTable(
-                page_size, pool_pages(n_pages, window, max_batch_size, page_size), max_batch_size + 1, max_seq_length, device
+                page_size,
+                pool_pages(n_pages, window, max_batch_size, page_size),
+                max_batch_size + 1,
+                max_seq_length,
+                device,
             )
             for regime, window in sliding_windows.items()
         }
@@ -195,11 +198,15 @@ class FlexInference:
             if seq.max_new_tokens is None:
                 seq.max_new_tokens = self.max_new_tokens
             if seq.max_new_tokens < 1:
-                raise FlexInferenceError(f"max_new_tokens must be at least 1, got {seq.max_new_tokens}", "max_new_tokens")
+                raise FlexInferenceError(
+                    f"max_new_tokens must be at least 1, got {seq.max_new_tokens}", "max_new_tokens"
+                )
             seq.output_ids, seq.output_logits, seq.finished, seq.finish_reason = [], [], False, None
 
     @torch.inference_mode()
-    def generate(self, sequences: list[Sequence], capture_cudagraph: bool = False, progress: bool = False) -> list[Sequence]:
+    def generate(
+        self, sequences: list[Sequence], capture_cudagraph: bool = False, progress: bool = False
+    ) -> list[Sequence]:
         """Greedy-decodes every sequence to an end id or its max_new_tokens; returns them in input order."""
         self.prepare(sequences)
         with compile_settings():
@@ -261,7 +268,10 @@ class FlexInference:
             )
         bar.close()
         self.timings.update(
-            prefill_s=prefill_s, decode_s=decode_s, num_prefill_tokens=num_prefill_tokens, num_decode_tokens=num_decode_tokens
+            prefill_s=prefill_s,
+            decode_s=decode_s,
+            num_prefill_tokens=num_prefill_tokens,
+            num_decode_tokens=num_decode_tokens,
         )
         return sequences
 
@@ -287,7 +297,9 @@ class FlexInference:
                 while self.scheduler.waiting:
                     batch = self.scheduler.admit()
                     if not batch:
-                        raise FlexInferenceError(f"a sequence of {self.scheduler.waiting[0].seq_len} tokens does not fit the page pool")
+                        raise FlexInferenceError(
+                            f"a sequence of {self.scheduler.waiting[0].seq_len} tokens does not fit the page pool"
+                        )
                     logits_TV = self.runner.score(batch).cpu()
                     for seq in batch:
                         self.scheduler.release(seq)
@@ -598,7 +610,9 @@ class PageTable:
         recycling its blocks before `first_needed_pos` first."""
         recyclable = 0
         if batch_idx is not None:
-            recyclable = sum(page is not None for page in self.pages_of[batch_idx][: first_needed_pos // self.page_size])
+            recyclable = sum(
+                page is not None for page in self.pages_of[batch_idx][: first_needed_pos // self.page_size]
+            )
         return self.pages_needed(batch_idx, seq_len, first_needed_pos) <= len(self.free_pages) + recyclable
 
     def reserve(self, batch_idx: int, seq_len: int, first_needed_pos: int = 0) -> None:
@@ -656,7 +670,9 @@ class PageTable:
         """Each decode row's visible logical blocks (`visible_logical_blocks`) mapped to physical
         pages: (kv_num_blocks [B, 1, 1], kv_indices [B, 1, 1, n_pages]; only the first
         kv_num_blocks of each row are read), the block tensors of a PagedDecodeMask."""
-        kv_num_blocks, logical_indices = visible_logical_blocks(input_pos_B, self.page_size, sliding_window, self.max_logical_blocks)
+        kv_num_blocks, logical_indices = visible_logical_blocks(
+            input_pos_B, self.page_size, sliding_window, self.max_logical_blocks
+        )
         B = input_pos_B.shape[0]
         logical_to_physical_BL = self.logical_to_physical[batch_idx_B]
         physical_BL = torch.gather(logical_to_physical_BL, 1, logical_indices.view(B, -1).long())
@@ -716,7 +732,9 @@ class ModelRunner:
         cache_head_dims = {cache.k_cache.shape[-1] for cache in self.kv_caches if cache is not None}
         self.fa4_prefill = resolve_fa4_prefill(fa4_prefill, cache_head_dims, self.device)
         self.kernel_options = {
-            head_dim: KernelOptions.pick(head_dim, self.device, self.dtype, self.fa4_prefill, prefill_kernel_options, decode_kernel_options)
+            head_dim: KernelOptions.pick(
+                head_dim, self.device, self.dtype, self.fa4_prefill, prefill_kernel_options, decode_kernel_options
+            )
             for head_dim in head_dims
         }
         self.patch_attention()
@@ -734,7 +752,9 @@ class ModelRunner:
         # NOTE: torch.compile specializes a size of 1, so the compiled step's buckets start at 2 (a
         # single sequence decodes beside one padding row): one compile instead of two.
         self.compile_decode = compile_decode
-        compile_region = (lambda fn: torch.compile(fn, fullgraph=True, dynamic=False)) if compile_decode else (lambda fn: fn)
+        compile_region = (
+            (lambda fn: torch.compile(fn, fullgraph=True, dynamic=False)) if compile_decode else (lambda fn: fn)
+        )
         self.decode_prologue = compile_region(self._decode_prologue)
         self.decode_layer = compile_region(call_layer)
         self.decode_epilogue = compile_region(self._decode_epilogue)
@@ -757,13 +777,17 @@ class ModelRunner:
         """One paged cache per layer (None for a layer that reads another layer's cache)."""
         pool = self.page_tables[FULL_ATTENTION]
         return [
-            PagedKVCache(pool.n_pages, self.page_size, self.config.num_key_value_heads, attn.head_dim, self.dtype, self.device)
+            PagedKVCache(
+                pool.n_pages, self.page_size, self.config.num_key_value_heads, attn.head_dim, self.dtype, self.device
+            )
             for attn in self.attention_layers()
         ]
 
     def patch_attention(self) -> None:
         if any(window is not None for window in self.sliding_windows.values()):
-            raise FlexInferenceError("this checkpoint has sliding-window layers, which the Qwen3/Llama walker does not run")
+            raise FlexInferenceError(
+                "this checkpoint has sliding-window layers, which the Qwen3/Llama walker does not run"
+            )
         for attn in self.attention_layers():
             attn.forward = qwen3_llama_attention_forward.__get__(attn)
 
@@ -775,7 +799,9 @@ class ModelRunner:
     def layer_kwargs(self, layer_idx: int, layer_inputs: dict, step: PrefillStep | DecodeStep) -> dict:
         """Decoder layer `layer_idx`'s keyword arguments besides its hidden states."""
         return dict(
-            position_embeddings=layer_inputs["position_embeddings"], attention_mask=None, layer_step=step.for_layer(layer_idx)
+            position_embeddings=layer_inputs["position_embeddings"],
+            attention_mask=None,
+            layer_step=step.for_layer(layer_idx),
         )
 
     def prefill_hidden(self, input_ids_1T, position_ids_1T, step: PrefillStep, last_positions_N) -> torch.Tensor:
@@ -792,7 +818,9 @@ class ModelRunner:
         forward); returns their output."""
         run_layer = run_layer or call_layer
         for layer_idx in layer_indices:
-            hidden_BSE = run_layer(self.decoder.layers[layer_idx], hidden_BSE, **self.layer_kwargs(layer_idx, layer_inputs, step))
+            hidden_BSE = run_layer(
+                self.decoder.layers[layer_idx], hidden_BSE, **self.layer_kwargs(layer_idx, layer_inputs, step)
+            )
         return hidden_BSE
 
     def forward_hidden(self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor, step) -> torch.Tensor:
@@ -876,7 +904,11 @@ class ModelRunner:
             kv_num_blocks, kv_indices = table.decode_blocks(input_pos_B, batch_idx_B, self.sliding_windows[regime])
             # logical_to_physical[batch_idx, logical_block] -> physical_page; cache row = page * page_size + offset
             physical_page_B = table.logical_to_physical[batch_idx_B, input_pos_B // self.page_size].long()
-            regime_tensors[regime] = (kv_num_blocks, kv_indices, physical_page_B * self.page_size + input_pos_B % self.page_size)
+            regime_tensors[regime] = (
+                kv_num_blocks,
+                kv_indices,
+                physical_page_B * self.page_size + input_pos_B % self.page_size,
+            )
         hidden_B1E, layer_inputs = self.embed(input_ids_B[:, None], input_pos_B[:, None])
         return regime_tensors, hidden_B1E, layer_inputs
 
@@ -907,11 +939,19 @@ class ModelRunner:
                 mark_compile_shapes("batch", physical_slots_B, is_batch_symbolic=self.compile_decode)
                 table = self.page_tables[regime]
                 masks[regime] = PagedDecodeMask(
-                    kv_num_blocks, kv_indices, input_pos_B, batch_idx_B, table.physical_to_logical, self.page_size, self.sliding_windows[regime]
+                    kv_num_blocks,
+                    kv_indices,
+                    input_pos_B,
+                    batch_idx_B,
+                    table.physical_to_logical,
+                    self.page_size,
+                    self.sliding_windows[regime],
                 )
                 physical_slots[regime] = physical_slots_B
             step = DecodeStep(masks, physical_slots, self.kv_caches, self.kernel_options)
-            hidden_B1E = self.run_layers(hidden_B1E, layer_inputs, step, range(len(self.decoder.layers)), self._run_decode_layer)
+            hidden_B1E = self.run_layers(
+                hidden_B1E, layer_inputs, step, range(len(self.decoder.layers)), self._run_decode_layer
+            )
             mark_compile_shapes("batch", hidden_B1E, is_batch_symbolic=self.compile_decode)
             return self.decode_epilogue(hidden_B1E)
 
@@ -923,7 +963,9 @@ class ModelRunner:
         mark_compile_shapes("static_batch", input_pos_B, batch_idx_B, is_batch_symbolic=self.compile_decode)
         return [input_ids_B, input_pos_B, batch_idx_B]
 
-    def launch_decode(self, rows: list[Sequence], use_graph: bool, previous: DecodeLaunch | None = None) -> DecodeLaunch:
+    def launch_decode(
+        self, rows: list[Sequence], use_graph: bool, previous: DecodeLaunch | None = None
+    ) -> DecodeLaunch:
         """Queues one decode step for `rows` and returns without waiting for it.
 
         Fresh steps take their inputs from the host bookkeeping. A chained step (`previous`, the
@@ -1116,7 +1158,9 @@ class DecodeStep:
         NOTE: picked here, outside the layer, so a compiled layer reads no layer index: dynamo
         specialises on every int it reads, and would compile each layer on its own.
         """
-        return DecodeLayerStep(self.kv_caches[cache_layer_idx], self.masks[regime], self.physical_slots[regime], self.kernel_options)
+        return DecodeLayerStep(
+            self.kv_caches[cache_layer_idx], self.masks[regime], self.physical_slots[regime], self.kernel_options
+        )
 
 
 @dataclass
@@ -1207,7 +1251,9 @@ def gathered_rows_mask_mod(mask_mod, row_idx_N: torch.Tensor):
     return gathered
 
 
-def packed_block_masks(document_id_T: torch.Tensor, sliding_windows: dict, device, query_rows_N: torch.Tensor | None = None) -> dict:
+def packed_block_masks(
+    document_id_T: torch.Tensor, sliding_windows: dict, device, query_rows_N: torch.Tensor | None = None
+) -> dict:
     """Each attention regime's document-causal BlockMask over a packed row of T tokens; with
     `query_rows_N`, for those query rows only ([N, T])."""
     T = len(document_id_T)
@@ -1217,7 +1263,9 @@ def packed_block_masks(document_id_T: torch.Tensor, sliding_windows: dict, devic
         if query_rows_N is None:
             masks[regime] = create_block_mask(mask_mod, None, None, T, T, device=device)
         else:
-            masks[regime] = create_block_mask(gathered_rows_mask_mod(mask_mod, query_rows_N), None, None, len(query_rows_N), T, device=device)
+            masks[regime] = create_block_mask(
+                gathered_rows_mask_mod(mask_mod, query_rows_N), None, None, len(query_rows_N), T, device=device
+            )
     return masks
 
 
@@ -1230,7 +1278,9 @@ def offset_mask_mod(mask_mod, input_pos_B: torch.Tensor):
     return offset
 
 
-def visible_logical_blocks(input_pos_B: torch.Tensor, page_size: int, sliding_window: int | None, max_logical_blocks: int) -> tuple:
+def visible_logical_blocks(
+    input_pos_B: torch.Tensor, page_size: int, sliding_window: int | None, max_logical_blocks: int
+) -> tuple:
     """Every logical block a decode query at input_pos_B[b] sees (a window's left edge to the query's
     own block): (kv_num_blocks [B, 1, 1], kv_indices [B, 1, 1, max_logical_blocks]), all partial.
 
@@ -1327,7 +1377,13 @@ def paged_decode_attention(
         # pages reach do work; 16 splits are faster at small batches (kernel-option sweep).
         options.setdefault("SPLIT_KV", 16)
     out = flex_attention_compiled(
-        q, k_cache, v_cache, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k_cache.shape[1], kernel_options=options
+        q,
+        k_cache,
+        v_cache,
+        block_mask=block_mask,
+        scale=scale,
+        enable_gqa=q.shape[1] != k_cache.shape[1],
+        kernel_options=options,
     )
     return out.contiguous()
 
@@ -1414,12 +1470,16 @@ class KernelOptions:
     decode: str
 
     @staticmethod
-    def pick(head_dim: int, device, dtype, fa4_prefill: bool, prefill_overrides: dict | None, decode_overrides: dict | None):
+    def pick(
+        head_dim: int, device, dtype, fa4_prefill: bool, prefill_overrides: dict | None, decode_overrides: dict | None
+    ):
         """The defaults for this head_dim, device and dtype, FLASH for prefill when asked, then the overrides."""
         prefill, decode = default_kernel_options(head_dim, device, dtype)
         if fa4_prefill:
             prefill = {"BACKEND": "FLASH"}
-        return KernelOptions({**prefill, **(prefill_overrides or {})}, json.dumps({**decode, **(decode_overrides or {})}))
+        return KernelOptions(
+            {**prefill, **(prefill_overrides or {})}, json.dumps({**decode, **(decode_overrides or {})})
+        )
 
 
 def default_kernel_options(head_dim: int, device: torch.device, dtype: torch.dtype) -> tuple[dict, dict]:
@@ -1530,18 +1590,20 @@ SKINNY_CONFIGS = (
     SkinnyConfig(32, 128, 4, 4, 4),  # N 2048-2560 at K 1536: qkv, q of the sliding layers
     SkinnyConfig(32, 256, 8, 4, 3),  # N 1536 at K 2048-12288: o and down projections
     SkinnyConfig(64, 256, 8, 4, 3),  # the same in fewer, longer programs (down of the KV-shared layers)
-    SkinnyConfig(16, 256, 1, 4, 6),  # tiny weights (PLE gate 256 x 1536, projection 1536 x 256): up to 6 K chunks in flight
+    SkinnyConfig(
+        16, 256, 1, 4, 6
+    ),  # tiny weights (PLE gate 256 x 1536, projection 1536 x 256): up to 6 K chunks in flight
 )
 
 if triton is not None:
-
     # NOTE: M and the strides that change with M are not specialised on: Triton would otherwise
     # compile another variant for M == 1 or M == 16, and compiling while a CUDA graph is captured
     # is not allowed. One variant per config and dtype, compiled by skinny_linear's race.
     @triton.jit(do_not_specialize=["M", "stride_split"])
     def _skinny_matmul_kernel(
         x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_split,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+        INPUT_PRECISION: tl.constexpr,
     ):  # fmt: skip
         """out[s, M, N] = x[M, K] @ w[N, K]^T over split s's run of K chunks; fp32 accumulation."""
         pid_n = tl.program_id(0)
@@ -1554,8 +1616,16 @@ if triton is not None:
         acc_NM = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            w_NK = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=(offs_n[:, None] < N) & (offs_k[None, :] < K), other=0.0)
-            x_MK = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
+            w_NK = tl.load(
+                w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
+                mask=(offs_n[:, None] < N) & (offs_k[None, :] < K),
+                other=0.0,
+            )
+            x_MK = tl.load(
+                x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                mask=(offs_m[:, None] < M) & (offs_k[None, :] < K),
+                other=0.0,
+            )
             acc_NM = tl.dot(w_NK, tl.trans(x_MK), acc_NM, input_precision=INPUT_PRECISION)
         out_ptrs = out_ptr + pid_split * stride_split + offs_m[None, :] * stride_om + offs_n[:, None]
         tl.store(out_ptrs, acc_NM.to(out_ptr.dtype.element_ty), mask=(offs_m[None, :] < M) & (offs_n[:, None] < N))
@@ -1580,15 +1650,22 @@ def skinny_matmul_triton(x2d_MK: torch.Tensor, w_NK: torch.Tensor, config: Skinn
     M, K = x2d_MK.shape
     N = w_NK.shape[0]
     if not (0 < M <= SKINNY_MAX_ROWS and w_NK.shape[1] == K and x2d_MK.stride(1) == 1 and w_NK.stride(1) == 1):
-        raise ValueError(f"skinny_matmul_triton needs 1..{SKINNY_MAX_ROWS} rows and K contiguous: x {tuple(x2d_MK.shape)}, w {tuple(w_NK.shape)}")
+        raise ValueError(
+            f"skinny_matmul_triton needs 1..{SKINNY_MAX_ROWS} rows and K contiguous: "
+            f"x {tuple(x2d_MK.shape)}, w {tuple(w_NK.shape)}"
+        )
     if x2d_MK.dtype != w_NK.dtype or x2d_MK.dtype not in SKINNY_DTYPES:
-        raise ValueError(f"skinny_matmul_triton needs x and w of one dtype in {SKINNY_DTYPES}: x {x2d_MK.dtype}, w {w_NK.dtype}")
+        raise ValueError(
+            f"skinny_matmul_triton needs x and w of one dtype in {SKINNY_DTYPES}: x {x2d_MK.dtype}, w {w_NK.dtype}"
+        )
     # NOTE: the kernel's offsets are int32, so w must have fewer than 2**31 elements.
     if w_NK.numel() >= 2**31:
         raise ValueError(f"skinny_matmul_triton needs a weight of fewer than 2**31 elements: {tuple(w_NK.shape)}")
     out_MN = torch.empty(M, N, dtype=x2d_MK.dtype, device=x2d_MK.device)
     # partials_SMN: [split_k, M, N] fp32, or out_MN itself without split-K
-    partials_SMN = out_MN if config.split_k == 1 else torch.empty(config.split_k, M, N, dtype=torch.float32, device=x2d_MK.device)
+    partials_SMN = (
+        out_MN if config.split_k == 1 else torch.empty(config.split_k, M, N, dtype=torch.float32, device=x2d_MK.device)
+    )
     _skinny_matmul_kernel[(triton.cdiv(N, config.block_n), config.split_k)](
         x2d_MK, w_NK, partials_SMN, M, N, K, x2d_MK.stride(0), w_NK.stride(0), N, M * N if config.split_k > 1 else 0,
         BLOCK_M=SKINNY_MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k,
@@ -1631,7 +1708,10 @@ def _gpu_us_per_call(fn, flush_L2: torch.Tensor) -> float:
     """Median GPU time in us of one call of fn(), with L2 flushed before each timed call."""
     for _ in range(SKINNY_TUNE_WARMUP_CALLS):
         fn()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(SKINNY_TUNE_TIMED_CALLS)]
+    events = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        for _ in range(SKINNY_TUNE_TIMED_CALLS)
+    ]
     torch.cuda._sleep(SKINNY_TUNE_QUEUE_AHEAD_CYCLES)
     for start, end in events:
         flush_L2.zero_()
@@ -1672,7 +1752,9 @@ def race_skinny_backends(x2d_MK: torch.Tensor, w_NK: torch.Tensor) -> dict:
             failed[idx] = f"relative error {rel_err:.2e} against F.linear"
             continue
         candidates[idx] = lambda config=config: skinny_matmul_triton(x2d_MK, w_NK, config)
-    flush_L2 = torch.empty(2 * torch.cuda.get_device_properties(x2d_MK.device).L2_cache_size, dtype=torch.int8, device=x2d_MK.device)
+    flush_L2 = torch.empty(
+        2 * torch.cuda.get_device_properties(x2d_MK.device).L2_cache_size, dtype=torch.int8, device=x2d_MK.device
+    )
     us = {name: _gpu_us_per_call(fn, flush_L2) for name, fn in candidates.items()}
     return {"winner": min(us, key=us.get), "us": us, "failed": failed}
 
@@ -1717,13 +1799,14 @@ def _skinny_linear_shape(x, weight):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-
 # ---------------------------------------------------------------------------------------------
 # Model patches: Qwen3/Llama attention, fused projections, skinny linears
 # ---------------------------------------------------------------------------------------------
 
 
-def qwen3_llama_attention_forward(self, hidden_states, position_embeddings, attention_mask=None, layer_step=None, **kwargs):
+def qwen3_llama_attention_forward(
+    self, hidden_states, position_embeddings, attention_mask=None, layer_step=None, **kwargs
+):
     """Replaces Qwen3Attention/LlamaAttention.forward: project, norm (Qwen3), RoPE, paged flex attention."""
     input_shape = hidden_states.shape[:-1]  # [B, S]
     hidden_shape = (*input_shape, -1, self.head_dim)
@@ -1812,7 +1895,6 @@ def unwrap_causal_lm(model: nn.Module) -> nn.Module:
     return get_base_model() if callable(get_base_model) else model
 
 
-
 # ---------------------------------------------------------------------------------------------
 # LoRA double-copy and drift verification
 # ---------------------------------------------------------------------------------------------
@@ -1857,7 +1939,9 @@ def snapshot_pristine_lora_weights(targets: dict[str, torch.Tensor], base_model:
 
 
 @torch.no_grad()
-def refresh_lora_merge_from_pristine(targets: dict, pristine: dict, peft_model: nn.Module, adapter_name: str | None = None) -> None:
+def refresh_lora_merge_from_pristine(
+    targets: dict, pristine: dict, peft_model: nn.Module, adapter_name: str | None = None
+) -> None:
     """Writes pristine + scaling * B @ A (computed in float32, rounded once) into each target in place.
 
     In place keeps the same storage, so captured CUDA graphs stay valid. PEFT's layers are marked
@@ -1886,7 +1970,9 @@ def sha256_of(tensors: dict[str, torch.Tensor]) -> str:
 
 
 @torch.no_grad()
-def run_drift_verification(targets: dict, pristine: dict, peft_model: nn.Module, iterations: int = 5, seed: int = 0) -> dict:
+def run_drift_verification(
+    targets: dict, pristine: dict, peft_model: nn.Module, iterations: int = 5, seed: int = 0
+) -> dict:
     """Perturbs the LoRA weights `iterations` times, refreshing each time; then restores the first
     adapter. Passes when the pristine weights never changed and the restored merge is bit-equal
     to the first one."""
@@ -1924,7 +2010,9 @@ def run_drift_verification(targets: dict, pristine: dict, peft_model: nn.Module,
         "restored_matches_first": merged_first == merged_restored,
         "adapter_changed_merge": all(h != merged_first for h in merged_per_iteration),
     }
-    result["passed"] = result["pristine_unchanged"] and result["restored_matches_first"] and result["adapter_changed_merge"]
+    result["passed"] = (
+        result["pristine_unchanged"] and result["restored_matches_first"] and result["adapter_changed_merge"]
+    )
     return result
 
 
@@ -1952,16 +2040,25 @@ def init_data_parallel(device: torch.device) -> torch.device:
     # NOTE: NVLink multicast (NCCL's NVLS, symmetric-memory multicast) stays off: on a shared host
     # it can take the GPUs out of service, and gathering completions gains nothing from it. NCCL
     # reads these when the process group starts, so they are set before.
-    for name, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
+    for name, value in (
+        ("NCCL_NVLS_ENABLE", "0"),
+        ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+        ("NVSHMEM_DISABLE_NVLS", "1"),
+    ):
         os.environ.setdefault(name, value)
     if device.type == "cuda":
         num_local_ranks, num_gpus = int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count()
         if num_local_ranks > num_gpus:
-            raise FlexInferenceError(f"torchrun started {num_local_ranks} processes on a host with {num_gpus} GPUs: start at most one per GPU")
+            raise FlexInferenceError(
+                f"torchrun started {num_local_ranks} processes on a host with {num_gpus} GPUs: "
+                "start at most one per GPU"
+            )
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)  # object collectives over nccl run on the current device
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None
+        )
     return device
 
 
@@ -2019,7 +2116,6 @@ def generate_sharded(engine: FlexInference, sequences: list[Sequence], group=Non
     group this is `engine.generate(sequences)`."""
     generate_shard(engine, sequences, group, **generate_kwargs)
     return gather_outputs(sequences, group)
-
 
 
 # ---------------------------------------------------------------------------------------------
@@ -2111,7 +2207,9 @@ def load_causal_lm(
             raise FlexInferenceError("load_in_4bit needs a CUDA GPU (bitsandbytes NF4)", "load_in_4bit")
         from transformers import BitsAndBytesConfig
 
-        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype
+        )
         kwargs["device_map"] = {"": device.index or 0}
     try:
         model = model_class.from_pretrained(path, **kwargs)
@@ -2119,7 +2217,8 @@ def load_causal_lm(
         first_line = str(error).strip().splitlines()[0]
         if "safetensors" in first_line or ".bin" in first_line or "pytorch_model" in first_line:
             raise FlexInferenceError(
-                f"{path} has no safetensors weights; pickled ones can run code, so they load only with allow_pickle_weights",
+                f"{path} has no safetensors weights; pickled ones can run code, "
+                "so they load only with allow_pickle_weights",
                 "allow_pickle_weights",
             )
         raise FlexInferenceError(f"could not load {path}: {first_line}")
@@ -2142,7 +2241,9 @@ def load_lora(model: nn.Module, adapter_path: str, load_adapter=None) -> nn.Modu
     try:
         peft_model = (load_adapter or load_peft_adapter)(model, adapter_path)
     except (ValueError, KeyError, RuntimeError) as error:
-        raise FlexInferenceError(f"the adapter at {adapter_path} does not fit this model: {str(error).strip().splitlines()[0]}")
+        raise FlexInferenceError(
+            f"the adapter at {adapter_path} does not fit this model: {str(error).strip().splitlines()[0]}"
+        )
     return peft_model.eval()
 
 
@@ -2160,44 +2261,104 @@ GRPO_SYSTEM_PROMPT = (
 
 
 def main(argv=None) -> None:
-    args = build_arg_parser("unsloth/Qwen3-4B-Base", "Greedy rollouts for Qwen3 / Llama-3.2 on flex_attention.").parse_args(argv)
+    args = build_arg_parser(
+        "unsloth/Qwen3-4B-Base", "Greedy rollouts for Qwen3 / Llama-3.2 on flex_attention."
+    ).parse_args(argv)
     run_cli(args)
 
 
 def build_arg_parser(default_model_name: str, description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model_name", default=default_model_name, help="Hugging Face hub id or local checkpoint folder")
-    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto", help="where to run (auto: CUDA if available)")
-    p.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto", help="weight and activation dtype (auto: bfloat16 on CUDA, float32 on CPU)")
-    p.add_argument("--n_prompts", type=int, default=8, help="number of prompts per round (cycles through the prompt list)")
+    p.add_argument(
+        "--device", choices=["auto", "cuda", "cpu"], default="auto", help="where to run (auto: CUDA if available)"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "bfloat16", "float16", "float32"],
+        default="auto",
+        help="weight and activation dtype (auto: bfloat16 on CUDA, float32 on CPU)",
+    )
+    p.add_argument(
+        "--n_prompts", type=int, default=8, help="number of prompts per round (cycles through the prompt list)"
+    )
     p.add_argument("--n_rounds", type=int, default=2, help="generation rounds; the first includes compilation")
     p.add_argument("--max_new_tokens", type=int, default=256, help="new tokens per prompt at most")
     p.add_argument("--max_batch_size", type=int, default=32, help="sequences decoded together at most")
-    p.add_argument("--max_seq_length", type=int, default=2048, help="prompt + completion tokens per sequence at most (a multiple of page_size)")
+    p.add_argument(
+        "--max_seq_length",
+        type=int,
+        default=2048,
+        help="prompt + completion tokens per sequence at most (a multiple of page_size)",
+    )
     p.add_argument("--n_pages", type=int, default=2048, help="pages in the KV pool (page 0 is reserved)")
     p.add_argument("--page_size", type=int, default=128, help="tokens per KV page")
     p.add_argument("--capture_cudagraph", action="store_true", help="decode through CUDA graphs, one per batch bucket")
-    p.add_argument("--compile_decode", action="store_true", help="torch.compile the decode step by regions (prologue, one graph per kind of decoder layer, epilogue), once for all batch buckets (fuses norms, RoPE, residuals)")
-    p.add_argument("--fuse_projections", action="store_true", help="one GEMM for q/k/v and one for gate/up per layer (weights become views of the fused ones)")
+    p.add_argument(
+        "--compile_decode",
+        action="store_true",
+        help="torch.compile the decode step by regions (prologue, one graph per kind of decoder layer, epilogue), "
+        "once for all batch buckets (fuses norms, RoPE, residuals)",
+    )
+    p.add_argument(
+        "--fuse_projections",
+        action="store_true",
+        help="one GEMM for q/k/v and one for gate/up per layer (weights become views of the fused ones)",
+    )
     p.add_argument(
         "--no_skinny_gemms", dest="skinny_gemms", action="store_false",
-        help="cuBLAS for every GEMM; by default decode's few-row GEMMs race a Triton kernel against cuBLAS per weight shape on the GPU and keep the faster",
+        help="cuBLAS for every GEMM; by default decode's few-row GEMMs race a Triton kernel against cuBLAS "
+        "per weight shape on the GPU and keep the faster",
     )  # fmt: skip
     p.add_argument("--lora_adapter", default=None, help="PEFT LoRA adapter folder, merged with the double-copy refresh")
-    p.add_argument("--no_merge_lora", action="store_true", help="keep the PEFT wrapper unmerged (adapter computed every forward)")
+    p.add_argument(
+        "--no_merge_lora", action="store_true", help="keep the PEFT wrapper unmerged (adapter computed every forward)"
+    )
     p.add_argument("--load_in_4bit", action="store_true", help="quantise to bitsandbytes NF4 while loading (CUDA only)")
     p.add_argument("--verify_no_drift", action="store_true", help="run the LoRA drift verification before generating")
     p.add_argument("--verify_iterations", type=int, default=5, help="adapter perturbations in the drift verification")
     p.add_argument("--stats_path", default=None, help="write run statistics as JSON here")
-    p.add_argument("--chat_template", choices=["auto", "grpo", "native"], default="auto", help="grpo: system prompt asking for reasoning then a marked solution; native: the tokenizer's own template")
-    p.add_argument("--fa4_prefill", action=argparse.BooleanOptionalAction, default=None, help="prefill with flex_attention's FLASH backend (default: only where it is supported)")
-    p.add_argument("--decode_kernel_options", default=None, help="JSON dict of flex_attention kernel options for decode, overriding the defaults")
-    p.add_argument("--prefill_kernel_options", default=None, help="JSON dict of flex_attention kernel options for prefill, overriding the defaults")
-    p.add_argument("--prompts_file", default=None, help="prompts as JSONL (prompt/text/messages per line) or one prompt per line (default: built-in math word problems)")
-    p.add_argument("--load_format", choices=["auto", "dummy"], default="auto", help="dummy: random weights built from the config alone (benchmarks)")
+    p.add_argument(
+        "--chat_template",
+        choices=["auto", "grpo", "native"],
+        default="auto",
+        help="grpo: system prompt asking for reasoning then a marked solution; native: the tokenizer's own template",
+    )
+    p.add_argument(
+        "--fa4_prefill",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="prefill with flex_attention's FLASH backend (default: only where it is supported)",
+    )
+    p.add_argument(
+        "--decode_kernel_options",
+        default=None,
+        help="JSON dict of flex_attention kernel options for decode, overriding the defaults",
+    )
+    p.add_argument(
+        "--prefill_kernel_options",
+        default=None,
+        help="JSON dict of flex_attention kernel options for prefill, overriding the defaults",
+    )
+    p.add_argument(
+        "--prompts_file",
+        default=None,
+        help="prompts as JSONL (prompt/text/messages per line) or one prompt per line "
+        "(default: built-in math word problems)",
+    )
+    p.add_argument(
+        "--load_format",
+        choices=["auto", "dummy"],
+        default="auto",
+        help="dummy: random weights built from the config alone (benchmarks)",
+    )
     p.add_argument("--seed", type=int, default=0, help="random seed (dummy weights, drift perturbations)")
     p.add_argument("--trust_remote_code", action="store_true", help="allow code shipped inside the checkpoint to run")
-    p.add_argument("--allow_pickle_weights", action="store_true", help="allow pickled .bin weights (can run code); safetensors otherwise")
+    p.add_argument(
+        "--allow_pickle_weights",
+        action="store_true",
+        help="allow pickled .bin weights (can run code); safetensors otherwise",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -2206,7 +2367,9 @@ def run_cli(args, engine_class=None, load_model=None, default_chat_template: str
     """Runs the CLI on parsed `args`; returns the stats. Bad input ends the process with one
     sentence and a non-zero exit, the library's parameter names written as flags."""
     try:
-        return run_rounds(args, engine_class or FlexInference, load_model or load_causal_lm, default_chat_template, load_adapter)
+        return run_rounds(
+            args, engine_class or FlexInference, load_model or load_causal_lm, default_chat_template, load_adapter
+        )
     except FlexInferenceError as error:
         raise SystemExit(cli_message(error, vars(args)))
 
@@ -2299,8 +2462,13 @@ def run_rounds(args, engine_class, load_model, default_chat_template: str, load_
     )
     drift = None
     if args.verify_no_drift:
-        drift = run_drift_verification(engine.lora_targets, engine.pristine_lora_weights, peft_model, args.verify_iterations, args.seed)
-        _say(args, f"drift verification: {'passed' if drift['passed'] else 'FAILED'} over {drift['iterations']} refreshes")
+        drift = run_drift_verification(
+            engine.lora_targets, engine.pristine_lora_weights, peft_model, args.verify_iterations, args.seed
+        )
+        _say(
+            args,
+            f"drift verification: {'passed' if drift['passed'] else 'FAILED'} over {drift['iterations']} refreshes",
+        )
 
     chat_template = default_chat_template if args.chat_template == "auto" else args.chat_template
     wall_times, rank_wall_times, n_decoded = [], [], 0
@@ -2339,7 +2507,9 @@ def run_rounds(args, engine_class, load_model, default_chat_template: str, load_
 
     decode_tps = [n_decoded / t for t in wall_times]
     stats = {
-        "backend": "flex_attention" + ("+compiled_step" if args.compile_decode else "") + ("+cudagraph" if args.capture_cudagraph else ""),
+        "backend": "flex_attention"
+        + ("+compiled_step" if args.compile_decode else "")
+        + ("+cudagraph" if args.capture_cudagraph else ""),
         "model_name": args.model_name,
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
@@ -2376,8 +2546,9 @@ def run_rounds(args, engine_class, load_model, default_chat_template: str, load_
     if rank == 0:
         on_ranks = f" on {world_size} ranks" if is_distributed else ""
         print(
-            f"{stats['backend']}: {stats['n_prompts']} prompts{on_ranks}, {n_decoded} tokens, median {stats['median_wall_s']:.2f} s, "
-            f"{stats['decode_tps_median']:.0f} tok/s (best {stats['decode_tps_best']:.0f}), peak {stats['peak_memory_gb']:.2f} GB"
+            f"{stats['backend']}: {stats['n_prompts']} prompts{on_ranks}, {n_decoded} tokens, "
+            f"median {stats['median_wall_s']:.2f} s, {stats['decode_tps_median']:.0f} tok/s "
+            f"(best {stats['decode_tps_best']:.0f}), peak {stats['peak_memory_gb']:.2f} GB"
         )
     if drift is not None and not drift["passed"]:
         raise FlexInferenceError("drift verification failed: the pristine or restored weights changed")
@@ -2395,7 +2566,9 @@ def parse_json_dict(text: str | None, flag: str) -> dict | None:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as error:
-        raise FlexInferenceError(f"{flag} is not valid JSON ({error.msg}): pass a JSON object such as '{{\"BLOCK_N\": 32}}'")
+        raise FlexInferenceError(
+            f"{flag} is not valid JSON ({error.msg}): pass a JSON object such as '{{\"BLOCK_N\": 32}}'"
+        )
     if not isinstance(value, dict):
         raise FlexInferenceError(f"{flag} must be a JSON object such as '{{\"BLOCK_N\": 32}}'")
     return value
@@ -2437,7 +2610,11 @@ def read_prompts(prompts_file: str | None, n_prompts: int) -> list:
                 record = json.loads(line)
             except json.JSONDecodeError:
                 raise FlexInferenceError(f"line {number} of {prompts_file} is not valid JSON")
-            value = record if isinstance(record, str) else next((record[k] for k in ("messages", "prompt", "text") if k in record), None)
+            value = (
+                record
+                if isinstance(record, str)
+                else next((record[k] for k in ("messages", "prompt", "text") if k in record), None)
+            )
             if value is None:
                 raise FlexInferenceError(f"line {number} of {prompts_file} has no prompt, text or messages field")
             prompts.append(value)
@@ -2454,6 +2631,7 @@ def format_prompt(tokenizer, prompt, chat_template: str) -> str:
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return "\n\n".join(m["content"] for m in messages) + "\n\n"
+
 
 def make_sequences(prompts, tokenizer, chat_template: str, vocab_size: int, seed: int) -> list[Sequence]:
     if tokenizer is None:  # dummy weights without a tokenizer: fixed random 128-token prompts
@@ -2472,7 +2650,6 @@ def peak_memory_gb(device: torch.device) -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
-
 
 
 if __name__ == "__main__":

@@ -477,9 +477,7 @@ def _save_model(model, folder: Path, tok, gen_eos: list[int], bos, pad) -> None:
 def _save_lora(model, folder: Path, targets, seed: int) -> int:
     from peft import LoraConfig, get_peft_model
 
-    cfg = LoraConfig(
-        r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM"
-    )
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
     peft_model = get_peft_model(model, cfg)  # NB: injects LoRA layers into `model` in place
     n = _randomize_lora_(peft_model, seed)
     peft_model.peft_config["default"].base_model_name_or_path = None

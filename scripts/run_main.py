@@ -30,10 +30,30 @@ def main() -> None:
         argv = ["--model_name", REAL_MODEL, "--capture_cudagraph", "--n_prompts", "64", "--max_batch_size", "64"]
     else:
         tiny = ensure_tiny_checkpoints() / "gemma4"
-        argv = ["--model_name", str(tiny), "--device", "cpu", "--n_prompts", "8", "--max_batch_size", "4",
-                "--max_seq_length", "512", "--n_pages", "128", "--page_size", "16", "--max_new_tokens", "32",
-                "--lora_adapter", str(tiny.parent / "gemma4_text" / "lora"), "--verify_no_drift"]
-        print(f"no GPU with the hub in reach: running the tiny multimodal checkpoint {tiny} on the CPU", file=sys.stderr)
+        argv = [
+            "--model_name",
+            str(tiny),
+            "--device",
+            "cpu",
+            "--n_prompts",
+            "8",
+            "--max_batch_size",
+            "4",
+            "--max_seq_length",
+            "512",
+            "--n_pages",
+            "128",
+            "--page_size",
+            "16",
+            "--max_new_tokens",
+            "32",
+            "--lora_adapter",
+            str(tiny.parent / "gemma4_text" / "lora"),
+            "--verify_no_drift",
+        ]
+        print(
+            f"no GPU with the hub in reach: running the tiny multimodal checkpoint {tiny} on the CPU", file=sys.stderr
+        )
     gemma4_flex_inference.main(argv + sys.argv[1:])
 
 

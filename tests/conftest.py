@@ -36,7 +36,7 @@ def hf_greedy(model, prompts, max_new_tokens, end_ids):
                 eos_token_id=sorted(end_ids) or None,
                 pad_token_id=0,
             )
-        outputs.append(out[0, len(ids):].tolist())
+        outputs.append(out[0, len(ids) :].tolist())
     return outputs
 
 
@@ -51,7 +51,7 @@ def hf_argmax_rollout(model, prompts, max_new_tokens, end_ids):
             tokens.append(next_id)
             if next_id in end_ids:
                 break
-        outputs.append(tokens[len(ids):])
+        outputs.append(tokens[len(ids) :])
     return outputs
 
 

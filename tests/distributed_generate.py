@@ -31,7 +31,9 @@ def main(spec_path: str) -> None:
     dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
     # An explicit group, as a trainer may pass one; here it spans every rank.
     group = dist.new_group(list(range(dist.get_world_size())), timeout=COLLECTIVE_TIMEOUT)
-    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32, attn_implementation="eager").eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        spec["model_dir"], dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     engine = FlexInference(model, None, **spec["engine"])
     results = {}
     for case, prompts in spec["cases"].items():

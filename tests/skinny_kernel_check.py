@@ -11,8 +11,6 @@ rel_err = ||out - ref|| / ||ref||, or {..., "error"} where the launch raised.
 
 import itertools
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import torch

@@ -3,8 +3,8 @@
 
 import pytest
 import torch
-
 from conftest import load_hf, random_prompts
+
 from gemma4_flex_inference import FlexGemma4Inference
 from qwen3_flex_inference import FlexInference
 
@@ -19,7 +19,9 @@ def test_bf16_logit_error_at_most_1_2x_hf_bf16(tiny_dir, name):
     reference = load_hf(path)
     hf_bf16 = load_hf(path, dtype=torch.bfloat16)
     engine_class = FlexGemma4Inference if name.startswith("gemma4") else FlexInference
-    engine = engine_class(load_hf(path, dtype=torch.bfloat16), None, max_batch_size=4, max_seq_length=256, n_pages=64, page_size=16)
+    engine = engine_class(
+        load_hf(path, dtype=torch.bfloat16), None, max_batch_size=4, max_seq_length=256, n_pages=64, page_size=16
+    )
     prompts = random_prompts([30, 90, 120], reference.config.vocab_size, seed=12)
     engine_logits = engine.score(prompts)
     for i, ids in enumerate(prompts):

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import hf_greedy, load_hf
 
 import gemma4_flex_inference
 import qwen3_flex_inference
-from conftest import hf_greedy, load_hf
 
 ROOT = Path(__file__).resolve().parents[1]
 GEMMA4_MODULE = "transformers.models.gemma4.modeling_gemma4"
@@ -114,7 +114,9 @@ def processes(request):
     this_module = sys.modules[__name__]
     selected = {item.name for item in request.session.items if getattr(item, "module", None) is this_module}
     started = {
-        name: subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        name: subprocess.Popen(
+            [sys.executable, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         for name, args in PROCESS_RUNS.items()
         if name in selected
     }
@@ -155,7 +157,10 @@ def check_sane_stats(stats: dict, model_name: str, n_rounds: int) -> None:
     assert stats["median_wall_s"] == pytest.approx(statistics.median(walls)), (stats["median_wall_s"], walls)
     assert stats["best_wall_s"] == pytest.approx(min(walls)), (stats["best_wall_s"], walls)
     tps = [n_decoded / t for t in walls]
-    assert stats["decode_tps_median"] > 0 and stats["decode_tps_best"] > 0, (stats["decode_tps_median"], stats["decode_tps_best"])
+    assert stats["decode_tps_median"] > 0 and stats["decode_tps_best"] > 0, (
+        stats["decode_tps_median"],
+        stats["decode_tps_best"],
+    )
     assert stats["decode_tps_median"] == pytest.approx(statistics.median(tps)), (stats["decode_tps_median"], tps)
     assert stats["decode_tps_best"] == pytest.approx(max(tps)), (stats["decode_tps_best"], tps)
     assert stats["peak_memory_gb"] > 0, stats["peak_memory_gb"]
@@ -174,7 +179,11 @@ def hf_completions(model_dir: Path, argv: list[str], chat_template: str, model_c
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     hf = load_hf(model_dir, model_class)
     sequences = qwen3_flex_inference.make_sequences(
-        qwen3_flex_inference.read_prompts(args.prompts_file, args.n_prompts), tokenizer, chat_template, hf.config.vocab_size, args.seed
+        qwen3_flex_inference.read_prompts(args.prompts_file, args.n_prompts),
+        tokenizer,
+        chat_template,
+        hf.config.vocab_size,
+        args.seed,
     )
     prompts = [seq.input_ids for seq in sequences]
     assert all(len(ids) + MAX_NEW_TOKENS <= args.max_seq_length for ids in prompts), [len(ids) for ids in prompts]
@@ -240,11 +249,15 @@ def test_prompts_file_jsonl_and_plain_text_both_cycle_to_n_prompts(tiny_dir, tmp
     model_dir = tiny_dir / "qwen3"
     first, second = "What is 2 plus 3?", "Name a prime number larger than 10."
     jsonl = tmp_path / "prompts.jsonl"
-    jsonl.write_text(json.dumps({"prompt": first}) + "\n\n" + json.dumps({"messages": [{"role": "user", "content": second}]}) + "\n")
+    jsonl.write_text(
+        json.dumps({"prompt": first}) + "\n\n" + json.dumps({"messages": [{"role": "user", "content": second}]}) + "\n"
+    )
     text = tmp_path / "prompts.txt"
     text.write_text(f"{first}\n{second}\n")
 
-    stats_jsonl = run_cli(qwen3_flex_inference, cli_argv(model_dir, "--prompts_file", str(jsonl)), tmp_path / "jsonl.json")
+    stats_jsonl = run_cli(
+        qwen3_flex_inference, cli_argv(model_dir, "--prompts_file", str(jsonl)), tmp_path / "jsonl.json"
+    )
     stats_text = run_cli(qwen3_flex_inference, cli_argv(model_dir, "--prompts_file", str(text)), tmp_path / "text.json")
     for stats in (stats_jsonl, stats_text):
         check_sane_stats(stats, str(model_dir), n_rounds=1)
@@ -252,8 +265,13 @@ def test_prompts_file_jsonl_and_plain_text_both_cycle_to_n_prompts(tiny_dir, tmp
     completions = stats_text["sample_completions"]
     assert completions[2] == completions[0], f"third prompt is not the first one again: {completions!r}"
     # A one-user-turn "messages" line is the same chat as a plain prompt with that content.
-    assert stats_jsonl["sample_completions"] == completions, f"jsonl {stats_jsonl['sample_completions']!r} text {completions!r}"
-    assert stats_jsonl["n_decoded_tokens"] == stats_text["n_decoded_tokens"], (stats_jsonl["n_decoded_tokens"], stats_text["n_decoded_tokens"])
+    assert stats_jsonl["sample_completions"] == completions, (
+        f"jsonl {stats_jsonl['sample_completions']!r} text {completions!r}"
+    )
+    assert stats_jsonl["n_decoded_tokens"] == stats_text["n_decoded_tokens"], (
+        stats_jsonl["n_decoded_tokens"],
+        stats_text["n_decoded_tokens"],
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,8 +286,12 @@ def gemma4_runs(tiny_dir, tmp_path_factory):
     for name, n_rounds in (("gemma4", 2), ("gemma4_text", 1)):
         # NOTE: one batch slot per prompt: a single prefill and a single decode bucket to compile
         # (two attention regimes each), which halves the cold-cache compile time of this fixture.
-        argv = cli_argv(tiny_dir / name, "--chat_template", "auto", "--max_batch_size", str(N_PROMPTS), n_rounds=n_rounds)
-        runs[name] = dict(argv=argv, n_rounds=n_rounds, stats=run_cli(gemma4_flex_inference, argv, tmp / f"{name}.json"))
+        argv = cli_argv(
+            tiny_dir / name, "--chat_template", "auto", "--max_batch_size", str(N_PROMPTS), n_rounds=n_rounds
+        )
+        runs[name] = dict(
+            argv=argv, n_rounds=n_rounds, stats=run_cli(gemma4_flex_inference, argv, tmp / f"{name}.json")
+        )
     return runs
 
 
@@ -281,8 +303,14 @@ def test_gemma4_cli_on_multimodal_checkpoint_writes_sane_stats(tiny_dir, gemma4_
 def test_gemma4_text_checkpoint_gives_the_same_completions_as_the_multimodal_one(tiny_dir, gemma4_runs):
     stats_text, stats_mm = gemma4_runs["gemma4_text"]["stats"], gemma4_runs["gemma4"]["stats"]
     check_sane_stats(stats_text, str(tiny_dir / "gemma4_text"), n_rounds=1)
-    assert stats_text["n_decoded_tokens"] == stats_mm["n_decoded_tokens"], (stats_text["n_decoded_tokens"], stats_mm["n_decoded_tokens"])
-    assert stats_text["sample_completions"] == stats_mm["sample_completions"], (stats_text["sample_completions"], stats_mm["sample_completions"])
+    assert stats_text["n_decoded_tokens"] == stats_mm["n_decoded_tokens"], (
+        stats_text["n_decoded_tokens"],
+        stats_mm["n_decoded_tokens"],
+    )
+    assert stats_text["sample_completions"] == stats_mm["sample_completions"], (
+        stats_text["sample_completions"],
+        stats_mm["sample_completions"],
+    )
 
 
 def test_gemma4_cli_auto_chat_template_is_native_and_matches_hf_greedy(tiny_dir, gemma4_runs):
@@ -312,7 +340,10 @@ def test_decode_kernel_options_not_json_exits_with_one_sentence_in_a_subprocess(
 
 @pytest.mark.parametrize(
     "flag, value, keyword",
-    [("--decode_kernel_options", "{bad", "not valid JSON"), ("--prefill_kernel_options", "[1]", "must be a JSON object")],
+    [
+        ("--decode_kernel_options", "{bad", "not valid JSON"),
+        ("--prefill_kernel_options", "[1]", "must be a JSON object"),
+    ],
     ids=["decode_not_json", "prefill_json_list"],
 )
 def test_kernel_options_that_are_not_a_json_object_exit_with_one_sentence(tiny_dir, flag, value, keyword):
@@ -328,7 +359,18 @@ def test_max_seq_length_not_a_multiple_of_page_size_exits_with_one_sentence(tiny
 def test_prompt_longer_than_max_seq_length_exits_with_one_sentence(tiny_dir, tmp_path):
     prompts = tmp_path / "long.txt"
     prompts.write_text(" ".join(["seven apples and three pears"] * 100) + "\n")
-    argv = cli_argv(tiny_dir / "qwen3", "--prompts_file", str(prompts), "--max_seq_length", "64", "--page_size", "16", "--n_pages", "64", n_prompts=1)
+    argv = cli_argv(
+        tiny_dir / "qwen3",
+        "--prompts_file",
+        str(prompts),
+        "--max_seq_length",
+        "64",
+        "--page_size",
+        "16",
+        "--n_pages",
+        "64",
+        n_prompts=1,
+    )
     assert_one_sentence(exit_message(qwen3_flex_inference, argv), "max_seq_length is 64")
 
 
@@ -395,7 +437,9 @@ def test_pickle_only_checkpoint_is_refused_without_allow_pickle_weights(pickle_o
 
 
 def test_pickle_only_checkpoint_loads_with_allow_pickle_weights(pickle_only_checkpoint, qwen3_run, tmp_path):
-    stats = run_cli(qwen3_flex_inference, cli_argv(pickle_only_checkpoint, "--allow_pickle_weights"), tmp_path / "stats.json")
+    stats = run_cli(
+        qwen3_flex_inference, cli_argv(pickle_only_checkpoint, "--allow_pickle_weights"), tmp_path / "stats.json"
+    )
     check_sane_stats(stats, str(pickle_only_checkpoint), n_rounds=1)
     want = qwen3_run["stats"]["sample_completions"]
     assert stats["sample_completions"] == want, f"pickled weights {stats['sample_completions']!r} safetensors {want!r}"

@@ -13,19 +13,26 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import random_prompts
 
 import qwen3_flex_inference
-from conftest import random_prompts
 from qwen3_flex_inference import demo_prompts, shard_slice
 
 ROOT = Path(__file__).resolve().parents[1]
 NUM_RANKS = 2
 MAX_NEW_TOKENS = 8
 # The same limits in the CLI and the API runs, so compiled kernels are shared between them.
-ENGINE_LIMITS = {"max_batch_size": 2, "max_seq_length": 256, "n_pages": 64, "page_size": 16, "max_new_tokens": MAX_NEW_TOKENS}
+ENGINE_LIMITS = {
+    "max_batch_size": 2,
+    "max_seq_length": 256,
+    "n_pages": 64,
+    "page_size": 16,
+    "max_new_tokens": MAX_NEW_TOKENS,
+}
 CLI_LIMITS = [
     "--device", "cpu", "--dtype", "float32", "--n_rounds", "1",
-    "--max_new_tokens", str(MAX_NEW_TOKENS), "--max_batch_size", "2", "--max_seq_length", "256", "--n_pages", "64", "--page_size", "16",
+    "--max_new_tokens", str(MAX_NEW_TOKENS), "--max_batch_size", "2", "--max_seq_length", "256",
+    "--n_pages", "64", "--page_size", "16",
 ]  # fmt: skip
 # Three prompts on two ranks (blocks of 2 and 1) whose tiny-Qwen3 completions all differ, so that a
 # block gathered out of order would show; the stats' sample_completions hold exactly three.
@@ -38,7 +45,16 @@ TOO_LONG_MESSAGE = "a prompt has 300 tokens, max_seq_length is 256"
 
 
 def cli_argv(model_dir: Path, prompts_file: Path, n_prompts: int, *extra) -> list[str]:
-    return ["--model_name", str(model_dir), "--prompts_file", str(prompts_file), "--n_prompts", str(n_prompts), *CLI_LIMITS, *extra]
+    return [
+        "--model_name",
+        str(model_dir),
+        "--prompts_file",
+        str(prompts_file),
+        "--n_prompts",
+        str(n_prompts),
+        *CLI_LIMITS,
+        *extra,
+    ]
 
 
 def torchrun(*args) -> subprocess.Popen:
@@ -62,9 +78,14 @@ def runs(tiny_dir, tmp_path_factory):
     cli_prompts.write_text("\n".join(CLI_PROMPTS) + "\n")
     argv = cli_argv(model_dir, cli_prompts, len(CLI_PROMPTS))
     vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    cases = {case: random_prompts(lengths, vocab_size, seed=i) for i, (case, lengths) in enumerate({**API_CASES, **API_BAD_CASE}.items())}
+    cases = {
+        case: random_prompts(lengths, vocab_size, seed=i)
+        for i, (case, lengths) in enumerate({**API_CASES, **API_BAD_CASE}.items())
+    }
     spec = tmp / "spec.json"
-    spec.write_text(json.dumps({"model_dir": str(model_dir), "engine": ENGINE_LIMITS, "cases": cases, "out_dir": str(tmp)}))
+    spec.write_text(
+        json.dumps({"model_dir": str(model_dir), "engine": ENGINE_LIMITS, "cases": cases, "out_dir": str(tmp)})
+    )
     # The second prompt, rank 1's block, is longer than max_seq_length; the first fits.
     bad_prompts = tmp / "bad_prompts.txt"
     bad_prompts.write_text(CLI_PROMPTS[0] + "\n" + " ".join(["seven apples and three pears"] * 100) + "\n")
@@ -116,7 +137,9 @@ def test_shard_slices_are_contiguous_blocks_in_rank_order_one_item_apart_in_size
 
 def test_torchrun_cli_completions_equal_a_single_process_run_in_input_order(runs, cli_run):
     want, got = runs["cli_want"]["sample_completions"], cli_run["stats"]["sample_completions"]
-    assert len(set(want)) == len(CLI_PROMPTS), f"the prompts' completions are not all different, order is untested: {want!r}"
+    assert len(set(want)) == len(CLI_PROMPTS), (
+        f"the prompts' completions are not all different, order is untested: {want!r}"
+    )
     assert got == want, f"torchrun {got!r} single process {want!r}"
     got_n, want_n = cli_run["stats"]["n_decoded_tokens"], runs["cli_want"]["n_decoded_tokens"]
     assert got_n == want_n, f"torchrun {got_n=} single process {want_n=}"
@@ -155,7 +178,9 @@ def test_generate_sharded_on_a_gloo_group_equals_single_process_generate_in_inpu
         for rank, results in enumerate(api_run):
             got, want = results[case]["gathered"], results[case]["single_process"]
             outputs = [tuple(output_ids) for output_ids, _ in want]
-            assert len(set(outputs)) == len(outputs), f"{case}: completions not all different, order is untested: {want}"
+            assert len(set(outputs)) == len(outputs), (
+                f"{case}: completions not all different, order is untested: {want}"
+            )
             assert got == want, f"{case} {rank=} got={got} want={want}"
         assert api_run[0][case] == api_run[1][case], f"{case}: the ranks disagree: {api_run}"
 
@@ -173,4 +198,4 @@ def test_torchrun_cli_bad_input_exits_non_zero_with_the_sentence_and_no_worker_t
     sentence = f"max_seq_length is {ENGINE_LIMITS['max_seq_length']}: shorten it or raise --max_seq_length"
     assert sentence in result.stderr, f"{sentence!r} not in stderr={result.stderr[-3000:]!r}"
     # torchrun reports the failed worker with a traceback of its own; the workers print none.
-    assert "qwen3_flex_inference.py\", line" not in result.stderr, result.stderr[-3000:]
+    assert 'qwen3_flex_inference.py", line' not in result.stderr, result.stderr[-3000:]

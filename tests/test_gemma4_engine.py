@@ -3,8 +3,8 @@ with a 24-token sliding window, KV-shared layers of both types, PLE and the logi
 
 import pytest
 import torch
-
 from conftest import hf_argmax_rollout, load_hf, random_prompts
+
 from gemma4_flex_inference import FlexGemma4Inference, Sequence, kv_store_layers, load_gemma4
 
 MAX_NEW_TOKENS = 24
@@ -61,7 +61,10 @@ def logit_tolerance(case, tokens) -> float:
     gap = 0.0
     for ids in tokens:
         with torch.no_grad():
-            gap = max(gap, (case["hf"](torch.tensor([ids])).logits - case["sdpa"](torch.tensor([ids])).logits).abs().max().item())
+            gap = max(
+                gap,
+                (case["hf"](torch.tensor([ids])).logits - case["sdpa"](torch.tensor([ids])).logits).abs().max().item(),
+            )
     return max(1e-4, 2 * gap)
 
 
@@ -140,7 +143,16 @@ def test_lora_double_copy_equals_hf_peft_merged_and_drift_check_passes(tiny_dir)
     path = tiny_dir / "gemma4_text"
     reference = PeftModel.from_pretrained(load_hf(path), path / "lora").merge_and_unload()
     peft_model = PeftModel.from_pretrained(load_hf(path), path / "lora")
-    engine = FlexGemma4Inference(peft_model, None, max_batch_size=4, max_seq_length=256, n_pages=64, page_size=16, max_new_tokens=MAX_NEW_TOKENS, peft_model=peft_model)
+    engine = FlexGemma4Inference(
+        peft_model,
+        None,
+        max_batch_size=4,
+        max_seq_length=256,
+        n_pages=64,
+        page_size=16,
+        max_new_tokens=MAX_NEW_TOKENS,
+        peft_model=peft_model,
+    )
     prompts = random_prompts([7, 30, 55], reference.config.vocab_size, seed=4)
     want = hf_argmax_rollout(reference, prompts, MAX_NEW_TOKENS, engine.end_ids)
     got = [s.output_ids for s in engine.generate([Sequence(input_ids=ids) for ids in prompts])]
@@ -163,7 +175,16 @@ def test_adapter_trained_on_the_multimodal_model_equals_hf_peft_merged(tiny_dir)
     reference = PeftModel.from_pretrained(multimodal, path / "lora").merge_and_unload().eval()
     shell = load_gemma4(str(path), torch.float32, torch.device("cpu"))
     peft_model = load_gemma4_adapter(shell, str(path / "lora"))
-    engine = FlexGemma4Inference(peft_model, None, max_batch_size=4, max_seq_length=256, n_pages=64, page_size=16, max_new_tokens=MAX_NEW_TOKENS, peft_model=peft_model)
+    engine = FlexGemma4Inference(
+        peft_model,
+        None,
+        max_batch_size=4,
+        max_seq_length=256,
+        n_pages=64,
+        page_size=16,
+        max_new_tokens=MAX_NEW_TOKENS,
+        peft_model=peft_model,
+    )
     assert len(engine.lora_targets) == 62, f"{len(engine.lora_targets)=}"  # 124 LoRA tensors = 62 modules
     # ids 5-11 are image/audio placeholders, which the multimodal model treats as media
     prompts = random_prompts([7, 30, 55], shell.config.vocab_size, seed=6, low=12)
@@ -178,7 +199,9 @@ def test_prefill_shortcut_runs_kv_shared_layers_on_last_positions_only(case):
     first_shared = config.num_hidden_layers - config.num_kv_shared_layers
     rows_seen = {}
     hooks = [
-        layer.register_forward_hook(lambda module, args, output, i=i: rows_seen.setdefault(i, []).append(output.shape[1]))
+        layer.register_forward_hook(
+            lambda module, args, output, i=i: rows_seen.setdefault(i, []).append(output.shape[1])
+        )
         for i, layer in enumerate(engine.runner.decoder.layers)
     ]
     try:
@@ -206,7 +229,10 @@ def test_sliding_window_pages_are_recycled_and_tokens_still_match_hf(tiny_dir):
     hf = load_hf(path)
     engine = make_engine(load_hf(path), max_batch_size=2, max_new_tokens=60)
     window, page_size = hf.config.sliding_window, 16
-    window_table, full_table = engine.scheduler.page_tables["sliding_attention"], engine.scheduler.page_tables["full_attention"]
+    window_table, full_table = (
+        engine.scheduler.page_tables["sliding_attention"],
+        engine.scheduler.page_tables["full_attention"],
+    )
     assert window_table.n_pages < full_table.n_pages, f"{window_table.n_pages=} {full_table.n_pages=}"
     max_window_pages = -(-window // page_size) + 1
     most_pages_seen = []
@@ -247,7 +273,10 @@ def test_compiled_fused_decode_step_through_every_bucket_matches_hf(tiny_dir):
     engine.end_ids = set()
     prompts = random_prompts([5, 30, 17, 40, 9, 60, 3], hf.config.vocab_size, seed=3)
     new_tokens = [3, 30, 7, 20, 5, 9, 16]
-    layer_kinds = {(layer.self_attn.layer_type, layer.self_attn.is_kv_shared_layer, layer.mlp.down_proj.in_features) for layer in engine.runner.decoder.layers}
+    layer_kinds = {
+        (layer.self_attn.layer_type, layer.self_attn.is_kv_shared_layer, layer.mlp.down_proj.in_features)
+        for layer in engine.runner.decoder.layers
+    }
     compiled_before = compiled_decode_regions()
     sequences = engine.generate([Sequence(input_ids=ids, max_new_tokens=n) for ids, n in zip(prompts, new_tokens)])
     compiled = {region: n - compiled_before[region] for region, n in compiled_decode_regions().items()}

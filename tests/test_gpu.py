@@ -7,7 +7,6 @@ import json
 
 import pytest
 import torch
-
 from conftest import ROOT, load_hf, random_prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -25,7 +24,9 @@ def engine_class(name):
     return FlexInference
 
 
-@pytest.mark.parametrize("options", [{}, {"compile_decode": True, "fuse_projections": True}], ids=["plain", "compiled_fused"])
+@pytest.mark.parametrize(
+    "options", [{}, {"compile_decode": True, "fuse_projections": True}], ids=["plain", "compiled_fused"]
+)
 @pytest.mark.parametrize("name", ["qwen3", "llama", "gemma4_text"])
 def test_float32_tokens_match_hf_eager_and_with_cuda_graphs(tiny_dir, name, options):
     from qwen3_flex_inference import Sequence
@@ -35,8 +36,14 @@ def test_float32_tokens_match_hf_eager_and_with_cuda_graphs(tiny_dir, name, opti
     hf = load_hf(path).cuda()
     prompts = random_prompts([5, 70, 17, 33, 48, 3, 90, 21, 120, 8], hf.config.vocab_size, seed=7)
     engine = engine_class(name)(
-        load_hf(path).cuda(), None, max_batch_size=8, max_seq_length=256, n_pages=24, page_size=16,
-        max_new_tokens=MAX_NEW_TOKENS, **options,
+        load_hf(path).cuda(),
+        None,
+        max_batch_size=8,
+        max_seq_length=256,
+        n_pages=24,
+        page_size=16,
+        max_new_tokens=MAX_NEW_TOKENS,
+        **options,
     )
     want = []
     for ids in prompts:  # HF reference on the GPU, float32, no KV cache
@@ -56,10 +63,13 @@ def _rollout_cuda(model, ids, end_ids):
         tokens.append(next_id)
         if next_id in end_ids:
             break
-    return tokens[len(ids):]
+    return tokens[len(ids) :]
 
 
-@pytest.mark.parametrize("preset, batch_size", [("unsloth__gemma-4-E2B-it", 1), ("unsloth__gemma-4-E2B-it", 64), ("unsloth__Qwen3-4B-Base", 64)])
+@pytest.mark.parametrize(
+    "preset, batch_size",
+    [("unsloth__gemma-4-E2B-it", 1), ("unsloth__gemma-4-E2B-it", 64), ("unsloth__Qwen3-4B-Base", 64)],
+)
 def test_bf16_dummy_model_eager_and_graph_decode_agree(preset, batch_size):
     """Real architecture (E2B: head_dim 256 and 512), random weights, default kernel options."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -75,7 +85,9 @@ def test_bf16_dummy_model_eager_and_graph_decode_agree(preset, batch_size):
     engine.end_ids = set()  # random weights: run every sequence the full length
     prompts = random_prompts([128] * batch_size, config.vocab_size, seed=8)
     eager = [s.output_ids for s in engine.generate([Sequence(input_ids=ids) for ids in prompts])]
-    graph = [s.output_ids for s in engine.generate([Sequence(input_ids=ids) for ids in prompts], capture_cudagraph=True)]
+    graph = [
+        s.output_ids for s in engine.generate([Sequence(input_ids=ids) for ids in prompts], capture_cudagraph=True)
+    ]
     assert all(len(o) == 64 for o in eager)
     assert eager == graph
 
@@ -99,12 +111,21 @@ def test_bf16_decode_logit_error_of_the_fastest_mode_at_most_1_2x_hf_bf16():
         reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager").eval()
     hf_bf16 = copy.deepcopy(reference).to(torch.bfloat16)
     engine = FlexGemma4Inference(
-        copy.deepcopy(hf_bf16), None, max_batch_size=4, max_seq_length=1024, n_pages=64, page_size=128, max_new_tokens=16,
-        compile_decode=True, fuse_projections=True,
+        copy.deepcopy(hf_bf16),
+        None,
+        max_batch_size=4,
+        max_seq_length=1024,
+        n_pages=64,
+        page_size=128,
+        max_new_tokens=16,
+        compile_decode=True,
+        fuse_projections=True,
     )
     engine.end_ids = set()
     prompts = random_prompts([100, 37, 600, 250], config.vocab_size, seed=21)
-    sequences = engine.generate([Sequence(input_ids=ids, record_logits=True) for ids in prompts], capture_cudagraph=True)
+    sequences = engine.generate(
+        [Sequence(input_ids=ids, record_logits=True) for ids in prompts], capture_cudagraph=True
+    )
     for i, seq in enumerate(sequences):
         tokens = torch.tensor([seq.token_ids], device="cuda")
         decode_rows = slice(len(seq.input_ids), len(seq.token_ids) - 1)  # logits that sampled tokens 2..16
@@ -124,7 +145,13 @@ def test_skinny_gemv_configs_match_fp64_and_skinny_linear_is_deterministic_under
     every call and replayed from a CUDA graph."""
     from triton.runtime.errors import OutOfResources
 
-    from qwen3_flex_inference import SKINNY_CHOICES, SKINNY_CONFIGS, skinny_linear, skinny_matmul_triton, skinny_rows_bucket
+    from qwen3_flex_inference import (
+        SKINNY_CHOICES,
+        SKINNY_CONFIGS,
+        skinny_linear,
+        skinny_matmul_triton,
+        skinny_rows_bucket,
+    )
 
     max_rel_err = 1e-2 if dtype == torch.bfloat16 else 1e-5  # ||out - ref|| / ||ref||
     generator = torch.Generator(device="cuda").manual_seed(0)

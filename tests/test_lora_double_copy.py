@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from conftest import hf_greedy, load_hf, random_prompts
 from peft import PeftModel
 
-from conftest import hf_greedy, load_hf, random_prompts
 from qwen3_flex_inference import (
     FlexInference,
     Sequence,
@@ -22,7 +22,14 @@ def setup(tiny_dir):
     path = tiny_dir / "qwen3"
     peft_model = PeftModel.from_pretrained(load_hf(path), path / "lora")
     engine = FlexInference(
-        peft_model, None, max_batch_size=4, max_seq_length=256, n_pages=64, page_size=16, max_new_tokens=MAX_NEW_TOKENS, peft_model=peft_model
+        peft_model,
+        None,
+        max_batch_size=4,
+        max_seq_length=256,
+        n_pages=64,
+        page_size=16,
+        max_new_tokens=MAX_NEW_TOKENS,
+        peft_model=peft_model,
     )
     prompts = random_prompts([6, 40, 23], peft_model.config.vocab_size, seed=5)
     return dict(path=path, peft_model=peft_model, engine=engine, prompts=prompts)
@@ -65,7 +72,9 @@ def test_refresh_after_adapter_change_follows_and_keeps_pristine_weights(setup):
         peft_model.load_state_dict(original, strict=False)
         engine.refresh_lora()
     assert sha256_of(engine.pristine_lora_weights) == pristine_hash, "the pristine weights changed"
-    assert {name: w.data_ptr() for name, w in engine.lora_targets.items()} == storage_before, "refresh reallocated weights"
+    assert {name: w.data_ptr() for name, w in engine.lora_targets.items()} == storage_before, (
+        "refresh reallocated weights"
+    )
     assert engine_tokens(setup) == hf_peft_merged_tokens(setup)
 
 
@@ -75,12 +84,16 @@ def test_pristine_copies_hold_only_the_lora_target_weights(setup):
     pristine_bytes = sum(w.numel() * w.element_size() for w in engine.pristine_lora_weights.values())
     model_bytes = sum(p.numel() * p.element_size() for p in engine.causal_lm.parameters())
     assert pristine_bytes == target_bytes < model_bytes
-    assert set(engine.pristine_lora_weights) == {n.removeprefix("base_model.model.") for n in lora_layers(setup["peft_model"])}
+    assert set(engine.pristine_lora_weights) == {
+        n.removeprefix("base_model.model.") for n in lora_layers(setup["peft_model"])
+    }
 
 
 def test_drift_verification_passes(setup):
     engine = setup["engine"]
-    result = run_drift_verification(engine.lora_targets, engine.pristine_lora_weights, setup["peft_model"], iterations=4)
+    result = run_drift_verification(
+        engine.lora_targets, engine.pristine_lora_weights, setup["peft_model"], iterations=4
+    )
     assert result["passed"], result
     assert result["iterations"] == 4 and len(set(result["merged_sha256_per_iteration"])) == 4
     assert engine_tokens(setup) == hf_peft_merged_tokens(setup)
@@ -119,7 +132,9 @@ def test_peft_merge_unmerge_cycle_drifts_in_bf16(tiny_dir):
 def test_unmerged_peft_wrapper_matches_merged_engine(setup, tiny_dir):
     path = setup["path"]
     unmerged = PeftModel.from_pretrained(load_hf(path), path / "lora")
-    engine = FlexInference(unmerged, None, max_batch_size=4, max_seq_length=256, n_pages=64, page_size=16, max_new_tokens=MAX_NEW_TOKENS)
+    engine = FlexInference(
+        unmerged, None, max_batch_size=4, max_seq_length=256, n_pages=64, page_size=16, max_new_tokens=MAX_NEW_TOKENS
+    )
     got = [s.output_ids for s in engine.generate([Sequence(input_ids=ids) for ids in setup["prompts"]])]
     assert not any(layer.merged for layer in lora_layers(unmerged).values())
     assert got == hf_peft_merged_tokens(setup)
@@ -130,8 +145,15 @@ def test_fused_projections_keep_the_lora_refresh_in_place(setup):
     path = setup["path"]
     peft_model = PeftModel.from_pretrained(load_hf(path), path / "lora")
     engine = FlexInference(
-        peft_model, None, max_batch_size=4, max_seq_length=256, n_pages=64, page_size=16,
-        max_new_tokens=MAX_NEW_TOKENS, peft_model=peft_model, fuse_projections=True,
+        peft_model,
+        None,
+        max_batch_size=4,
+        max_seq_length=256,
+        n_pages=64,
+        page_size=16,
+        max_new_tokens=MAX_NEW_TOKENS,
+        peft_model=peft_model,
+        fuse_projections=True,
     )
     tokens = [s.output_ids for s in engine.generate([Sequence(input_ids=ids) for ids in setup["prompts"]])]
     assert tokens == hf_peft_merged_tokens(setup)

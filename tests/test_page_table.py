@@ -10,7 +10,9 @@ from qwen3_flex_inference import BatchSlots, PageTable, check_engine_limits
 
 def check_invariants(table: PageTable):
     total = table.n_pages - 1  # page 0 is reserved
-    assert table.num_free_pages + table.num_used_pages == total, f"{table.num_free_pages=} {table.num_used_pages=} {total=}"
+    assert table.num_free_pages + table.num_used_pages == total, (
+        f"{table.num_free_pages=} {table.num_used_pages=} {total=}"
+    )
     owned = [p for pages in table.pages_of for p in pages]
     assert len(owned) == len(set(owned)), "a page is owned twice"
     assert 0 not in owned and 0 not in table.free_pages, "the reserved page 0 was handed out"
@@ -107,10 +109,14 @@ def test_visible_logical_blocks_are_exactly_the_blocks_the_causal_mask_touches(s
     from qwen3_flex_inference import causal_mask_mod, visible_logical_blocks
 
     page_size, max_seq_length = 16, 128
-    logical = create_block_mask(causal_mask_mod(sliding_window), None, None, max_seq_length, max_seq_length, device="cpu", BLOCK_SIZE=page_size)
+    logical = create_block_mask(
+        causal_mask_mod(sliding_window), None, None, max_seq_length, max_seq_length, device="cpu", BLOCK_SIZE=page_size
+    )
     dense = logical.to_dense()[0, 0]  # [q blocks, kv blocks]: 1 where a block is partly or fully visible
     input_pos_B = torch.tensor([0, 15, 16, 39, 40, 57, 100, 127])
-    kv_num_blocks, kv_indices = visible_logical_blocks(input_pos_B, page_size, sliding_window, max_seq_length // page_size)
+    kv_num_blocks, kv_indices = visible_logical_blocks(
+        input_pos_B, page_size, sliding_window, max_seq_length // page_size
+    )
     for b, pos in enumerate(input_pos_B.tolist()):
         got = kv_indices[b, 0, 0, : kv_num_blocks[b, 0, 0]].tolist()
         # the blocks holding a position the query at `pos` sees (its own block row may touch later ones)

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from conftest import hf_greedy, load_hf, random_prompts
+
 from qwen3_flex_inference import FlexInference, Sequence
 
 MAX_NEW_TOKENS = 24
@@ -51,7 +51,10 @@ def test_forced_preemption_still_matches_hf(case):
     assert sum(seq.num_preemptions for seq in sequences) > 0, "the pool was large enough: no preemption"
     for i, (seq, w) in enumerate(zip(sequences, case["want"])):
         assert seq.output_ids == w, f"prompt {i}: {seq.output_ids=} {w=}"
-    assert engine.scheduler.page_tables["full_attention"].num_used_pages == 0 and engine.scheduler.page_tables["full_attention"].num_free_pages == 17
+    assert (
+        engine.scheduler.page_tables["full_attention"].num_used_pages == 0
+        and engine.scheduler.page_tables["full_attention"].num_free_pages == 17
+    )
 
 
 def test_teacher_forced_logits_within_1e_4_of_hf(case):
@@ -113,7 +116,9 @@ def test_chained_decode_steps_stop_on_end_ids_and_match_hf(case):
         engine.runner.launch_decode, engine.end_ids = launch_decode, end_ids
     for i, (seq, w) in enumerate(zip(sequences, want)):
         assert seq.output_ids == w, f"prompt {i}: {seq.output_ids=} {w=}"
-        assert seq.finish_reason == ("stop" if len(w) < MAX_NEW_TOKENS else "length"), f"prompt {i}: {seq.finish_reason=}"
+        assert seq.finish_reason == ("stop" if len(w) < MAX_NEW_TOKENS else "length"), (
+            f"prompt {i}: {seq.finish_reason=}"
+        )
     assert num_launches["chained"] > num_launches["fresh"], f"{num_launches=}"
     assert engine.scheduler.page_tables["full_attention"].num_used_pages == 0
 

@@ -23,7 +23,14 @@ MAX_REL_ERR = {"float32": 1e-5, "bfloat16": 1e-2}
 def test_triton_kernel_of_every_config_matches_fp64_reference_in_interpreter():
     pytest.importorskip("triton", reason="triton is not installed: the kernel test needs its CPU interpreter")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-m", "tests.skinny_kernel_check"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.skinny_kernel_check"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     cases = json.loads(run.stdout)
     assert {case["config"] for case in cases} == set(range(len(SKINNY_CONFIGS))), f"{len(cases)=}"

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-
 import qwen3_flex_inference as engine
+
+ROOT = Path(__file__).resolve().parents[2]
 
 # name -> (N, K, uses per E2B decode step). E2B: hidden 1536; 35 layers, the last 20 KV-shared
 # (q only, double-wide MLP); 8 query heads, 1 KV head, head_dim 256 (sliding) / 512 (full);
@@ -90,7 +90,15 @@ def measure_shape(name: str, N: int, K: int, num_rows: list[int], args) -> list[
         backends = {"cublas": lambda w_NK: torch.nn.functional.linear(x_MK, w_NK)}
         for idx, config in enumerate(engine.SKINNY_CONFIGS):
             backends[f"triton{idx}"] = lambda w_NK, config=config: engine.skinny_matmul_triton(x_MK, w_NK, config)
-        base = {"shape": name, "N": N, "K": K, "M": M, "weight_MB": weight_bytes / 1e6, "num_copies": num_copies, "calls_per_graph": num_calls}
+        base = {
+            "shape": name,
+            "N": N,
+            "K": K,
+            "M": M,
+            "weight_MB": weight_bytes / 1e6,
+            "num_copies": num_copies,
+            "calls_per_graph": num_calls,
+        }
         m_rows = []
         for backend, fn in backends.items():
             row = {**base, "backend": backend}
@@ -113,7 +121,8 @@ def measure_shape(name: str, N: int, K: int, num_rows: list[int], args) -> list[
         timed = {row["backend"]: row["us"] for row in m_rows if "us" in row}
         best = min(timed, key=timed.get) if timed else None
         print(
-            f"{name:28} M={M:<2} cublas {timed.get('cublas', float('nan')):8.2f} us  best {best} {timed.get(best, float('nan')):8.2f} us  op picks {winner}",
+            f"{name:28} M={M:<2} cublas {timed.get('cublas', float('nan')):8.2f} us  "
+            f"best {best} {timed.get(best, float('nan')):8.2f} us  op picks {winner}",
             flush=True,
         )
     return rows
@@ -144,30 +153,58 @@ def summarize(rows: list[dict], num_rows: list[int]) -> dict:
             step["best_per_shape_us"] += count * min(cublas_us, triton_us)
             step["op_picks_us"] += count * pick_us
             print(f"{name:28} {group[0]['N']:>6} {group[0]['K']:>6} {M:>2} {group[0]['weight_MB']:6.2f} | ", end="")
-            print(f"{cublas_us:9.2f} {cublas['TBps'] if cublas else nan:5.2f} | {triton['backend'] if triton else '-':>11} {triton_us:8.2f} ", end="")
-            print(f"{triton['TBps'] if triton else nan:5.2f} {cublas_us / triton_us:6.2f}x | {group[0]['op_pick']:>8} {pick_us:8.2f}")
+            print(
+                f"{cublas_us:9.2f} {cublas['TBps'] if cublas else nan:5.2f} | "
+                f"{triton['backend'] if triton else '-':>11} {triton_us:8.2f} ",
+                end="",
+            )
+            print(
+                f"{triton['TBps'] if triton else nan:5.2f} {cublas_us / triton_us:6.2f}x | "
+                f"{group[0]['op_pick']:>8} {pick_us:8.2f}"
+            )
         totals[M] = step
     failures = [row for row in rows if "error" in row]
     if failures:
         print(f"\n{len(failures)} failed (shape, M, backend):")
         for row in failures:
             print(f"  {row['shape']} M={row['M']} {row['backend']}: {row['error']}")
-    scope = "the GEMMs listed" if len(measured) == len(E2B_SHAPES) else "only the shapes measured: " + ", ".join(measured)
+    scope = (
+        "the GEMMs listed" if len(measured) == len(E2B_SHAPES) else "only the shapes measured: " + ", ".join(measured)
+    )
     print(f"\nE2B decode step, {scope} ({sum(E2B_SHAPES[name][2] for name in measured)} calls):")
     print(f"{'M':>2} {'cuBLAS only us':>15} {'best per shape us':>18} {'op picks us':>12} {'best/cuBLAS':>12}")
     for M, step in totals.items():
         ratio = step["best_per_shape_us"] / step["cublas_only_us"]
-        print(f"{M:>2} {step['cublas_only_us']:15.1f} {step['best_per_shape_us']:18.1f} {step['op_picks_us']:12.1f} {ratio:12.3f}")
+        print(
+            f"{M:>2} {step['cublas_only_us']:15.1f} {step['best_per_shape_us']:18.1f} "
+            f"{step['op_picks_us']:12.1f} {ratio:12.3f}"
+        )
     return totals
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num_rows", type=int, nargs="+", default=[1, 2, 8, 16], help="decode rows M to measure (each <= 16)")
-    parser.add_argument("--shapes", nargs="+", default=list(E2B_SHAPES), choices=list(E2B_SHAPES), help="which E2B weight shapes")
-    parser.add_argument("--rotate_mb", type=float, default=200.0, help="weight copies per shape total at least this many MiB (L2 is 50 MB)")
-    parser.add_argument("--min_calls", type=int, default=20, help="calls captured per CUDA graph, at least (more where there are more copies)")
-    parser.add_argument("--replays", type=int, default=10, help="timed graph replays per (shape, M, backend); the median counts")
+    parser.add_argument(
+        "--num_rows", type=int, nargs="+", default=[1, 2, 8, 16], help="decode rows M to measure (each <= 16)"
+    )
+    parser.add_argument(
+        "--shapes", nargs="+", default=list(E2B_SHAPES), choices=list(E2B_SHAPES), help="which E2B weight shapes"
+    )
+    parser.add_argument(
+        "--rotate_mb",
+        type=float,
+        default=200.0,
+        help="weight copies per shape total at least this many MiB (L2 is 50 MB)",
+    )
+    parser.add_argument(
+        "--min_calls",
+        type=int,
+        default=20,
+        help="calls captured per CUDA graph, at least (more where there are more copies)",
+    )
+    parser.add_argument(
+        "--replays", type=int, default=10, help="timed graph replays per (shape, M, backend); the median counts"
+    )
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -178,7 +215,10 @@ def main() -> int:
         raise SystemExit(f"--num_rows must each be 1..{engine.SKINNY_MAX_ROWS}: got {args.num_rows}")
     torch.manual_seed(0)
     properties = torch.cuda.get_device_properties(0)
-    print(f"{properties.name}, {properties.multi_processor_count} SMs, L2 {properties.L2_cache_size / 2**20:.0f} MiB", end="; ")
+    print(
+        f"{properties.name}, {properties.multi_processor_count} SMs, L2 {properties.L2_cache_size / 2**20:.0f} MiB",
+        end="; ",
+    )
     print(f"torch {torch.__version__}, triton {engine.triton.__version__}")
     for idx, config in enumerate(engine.SKINNY_CONFIGS):
         print(f"triton{idx}: {config}")

@@ -5,10 +5,10 @@ Systems: `engine_eager`, `engine_graph`, `engine_compiled_graph` and `engine_fus
 graphs, and that with q/k/v and gate/up fused into one GEMM each; every one with the skinny
 GEMMs, `skinny_linear`), `engine_fused_compiled_graph_cublas` (the last with cuBLAS for every GEMM),
 `hf_dynamic` (generate, dynamic cache), `hf_static_compile` (generate, static cache,
-torch.compile with `--hf_compile_mode`), `hf_cb` (generate_batch continuous batching, where the installed transformers has
-it; an error is recorded when it refuses the model). Workload: a `--load_format dummy` model from
-a preset, bf16, batch sizes 1/8/64, prompts of `--prompt_len` random tokens, `--new_tokens` new
-tokens with end ids ignored so every system does the same work.
+torch.compile with `--hf_compile_mode`), `hf_cb` (generate_batch continuous batching, where the
+installed transformers has it; an error is recorded when it refuses the model). Workload: a
+`--load_format dummy` model from a preset, bf16, batch sizes 1/8/64, prompts of `--prompt_len`
+random tokens, `--new_tokens` new tokens with end ids ignored so every system does the same work.
 
 Per system and batch: decode tok/s, ms per decode step, fraction of the roofline (bytes one step
 must read / copy bandwidth measured in this run), prefill tok/s, time to first token, warm-up
@@ -25,13 +25,14 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-
 from qwen3_flex_inference import SKINNY_CHOICES, FlexInference, Sequence
 from scripts.benchmarks.profile_decode import decode_kernel_table
 
+ROOT = Path(__file__).resolve().parents[2]
+
 SYSTEMS = [
-    "engine_eager", "engine_graph", "engine_compiled_graph", "engine_fused_compiled_graph", "engine_fused_compiled_graph_cublas",
+    "engine_eager", "engine_graph", "engine_compiled_graph", "engine_fused_compiled_graph",
+    "engine_fused_compiled_graph_cublas",
     "hf_dynamic", "hf_static_compile", "hf_cb",
 ]  # fmt: skip
 
@@ -106,8 +107,14 @@ def make_engine(model, batch_size, prompt_len, new_tokens, **options):
     # A pool of at least 1024 pages, as the CLI runs use: each row's pages lie scattered in it.
     n_pages = max(batch_size * (max_seq_length // page_size) + 1, 1024 if model.device.type == "cuda" else 0)
     engine = engine_class(
-        model, None, max_batch_size=batch_size, max_seq_length=max_seq_length, n_pages=n_pages, page_size=page_size,
-        max_new_tokens=new_tokens, **options,
+        model,
+        None,
+        max_batch_size=batch_size,
+        max_seq_length=max_seq_length,
+        n_pages=n_pages,
+        page_size=page_size,
+        max_new_tokens=new_tokens,
+        **options,
     )
     engine.end_ids = set()
     return engine
@@ -128,7 +135,9 @@ def run_engine(model, prompts, new_tokens, use_graph, **options):
     warmup_s = time.perf_counter() - start
     sync(device)
     start = time.perf_counter()
-    sequences = engine.generate([Sequence(input_ids=p, max_new_tokens=new_tokens) for p in prompts], capture_cudagraph=use_graph)
+    sequences = engine.generate(
+        [Sequence(input_ids=p, max_new_tokens=new_tokens) for p in prompts], capture_cudagraph=use_graph
+    )
     sync(device)
     wall_s = time.perf_counter() - start
     timings = dict(engine.timings)
@@ -163,7 +172,9 @@ def run_hf(model, prompts, new_tokens, mode, compile_mode="reduce-overhead"):
     if mode == "hf_static_compile":
         kwargs["cache_implementation"] = "static"
         kwargs["compile_config"] = None
-        model.forward = torch.compile(model.forward, mode=None if compile_mode == "default" else compile_mode, fullgraph=True)
+        model.forward = torch.compile(
+            model.forward, mode=None if compile_mode == "default" else compile_mode, fullgraph=True
+        )
     try:
         start = time.perf_counter()
         model.generate(input_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
@@ -198,7 +209,9 @@ def run_hf_cb(model, prompts, new_tokens):
 
     if not hasattr(model, "generate_batch"):
         return {"error": "this transformers has no generate_batch"}
-    config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0, use_cuda_graph=False)
+    config = GenerationConfig(
+        max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0, use_cuda_graph=False
+    )
     attn_implementation = model.config._attn_implementation
     try:
         start = time.perf_counter()
@@ -215,20 +228,38 @@ def run_hf_cb(model, prompts, new_tokens):
         if model.config._attn_implementation != attn_implementation:
             model.set_attn_implementation(attn_implementation)
     tokens = sum(len(o.generated_tokens) for o in outputs.values())
-    return {"decode_tps": tokens / wall_s, "ms_per_step": float("nan"), "prefill_tps": float("nan"), "ttft_s": float("nan"), "warmup_s": warmup_s - wall_s, "wall_s": wall_s, "tokens": tokens}
+    return {
+        "decode_tps": tokens / wall_s,
+        "ms_per_step": float("nan"),
+        "prefill_tps": float("nan"),
+        "ttft_s": float("nan"),
+        "warmup_s": warmup_s - wall_s,
+        "wall_s": wall_s,
+        "tokens": tokens,
+    }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="unsloth__gemma-4-E2B-it", help="preset name under scripts/presets, or a local checkpoint folder")
+    parser.add_argument(
+        "--preset",
+        default="unsloth__gemma-4-E2B-it",
+        help="preset name under scripts/presets, or a local checkpoint folder",
+    )
     parser.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS, help="systems to run")
     parser.add_argument("--batch_sizes", type=int, nargs="+", default=[1, 8, 64], help="decode batch sizes")
     parser.add_argument("--prompt_len", type=int, default=128, help="prompt tokens per sequence")
     parser.add_argument("--new_tokens", type=int, default=512, help="new tokens per sequence (end ids ignored)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda or cpu")
     parser.add_argument("--dtype", default="bfloat16", help="model dtype")
-    parser.add_argument("--hf_compile_mode", default="reduce-overhead", help="torch.compile mode of hf_static_compile (reduce-overhead: with CUDA graphs; default: without)")
-    parser.add_argument("--profile", action="store_true", help="add each engine system's GPU time per kernel class (torch.profiler)")
+    parser.add_argument(
+        "--hf_compile_mode",
+        default="reduce-overhead",
+        help="torch.compile mode of hf_static_compile (reduce-overhead: with CUDA graphs; default: without)",
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="add each engine system's GPU time per kernel class (torch.profiler)"
+    )
     parser.add_argument("--out", default=None, help="write all results as JSON here")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -248,12 +279,20 @@ def main() -> int:
                 use_graph = system != "engine_eager"
                 if use_graph and device.type != "cuda":
                     continue
-                options = dict(compile_decode="compiled" in system, fuse_projections="fused" in system, skinny_gemms="cublas" not in system)
+                options = dict(
+                    compile_decode="compiled" in system,
+                    fuse_projections="fused" in system,
+                    skinny_gemms="cublas" not in system,
+                )
                 result, engine = run_engine(model, prompts, args.new_tokens, use_graph, **options)
                 if args.profile and device.type == "cuda":  # the same kernels as the graph replays
-                    result["top_kernels"], result["kernel_classes"] = decode_kernel_table(engine, prompts, num_steps=8, top=40)
+                    result["top_kernels"], result["kernel_classes"] = decode_kernel_table(
+                        engine, prompts, num_steps=8, top=40
+                    )
                 if options["skinny_gemms"]:  # which backend each (N, K, dtype, row bucket) raced to
-                    result["skinny_choices"] = {" ".join(map(str, key)): choice["winner"] for key, choice in SKINNY_CHOICES.items()}
+                    result["skinny_choices"] = {
+                        " ".join(map(str, key)): choice["winner"] for key, choice in SKINNY_CHOICES.items()
+                    }
                 kv_bytes = kv_bytes_per_step(engine, batch_size, args.prompt_len, args.new_tokens)
                 engine.runner.restore_model()
                 del engine
@@ -266,7 +305,9 @@ def main() -> int:
                 result["roofline_ms"] = 1e3 * step_bytes / (bandwidth * 1e9)
                 result["roofline_fraction"] = result["roofline_ms"] / result["ms_per_step"]
             result.update(system=system, batch_size=batch_size)
-            result["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else float("nan")
+            result["peak_memory_gb"] = (
+                torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else float("nan")
+            )
             rows.append(result)
             print(json.dumps(result), flush=True)
     setup = {
@@ -284,20 +325,27 @@ def main() -> int:
     if args.out:
         Path(args.out).write_text(json.dumps({"setup": setup, "rows": rows}, indent=1))
     print(f"\ncopy bandwidth {bandwidth:.0f} GB/s; weights read per step {weight_bytes / 1e9:.2f} GB\n")
-    print("| system | batch | decode tok/s | ms/step | roofline | prefill tok/s (no shortcut) | TTFT s | warm-up s | peak GB |")
+    print(
+        "| system | batch | decode tok/s | ms/step | roofline | prefill tok/s (no shortcut) | TTFT s | warm-up s "
+        "| peak GB |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
             print(f"| {r['system']} | {r['batch_size']} | {r['error']} | | | | | | |")
             continue
         print(
-            f"| {r['system']} | {r['batch_size']} | {r['decode_tps']:,.0f} | {r['ms_per_step']:.2f} | {r.get('roofline_fraction', float('nan')):.0%} "
+            f"| {r['system']} | {r['batch_size']} | {r['decode_tps']:,.0f} | {r['ms_per_step']:.2f} "
+            f"| {r.get('roofline_fraction', float('nan')):.0%} "
             f"| {r['prefill_tps']:,.0f} ({r.get('prefill_tps_no_shortcut', float('nan')):,.0f}) | {r['ttft_s']:.3f} "
             f"| {r['warmup_s']:.1f} | {r['peak_memory_gb']:.2f} |"
         )
     for r in rows:
         if "kernel_classes" in r:
-            classes = ", ".join(f"{cls} {v['us_per_step'] / 1e3:.2f} ms ({v['calls_per_step']:.0f})" for cls, v in sorted(r["kernel_classes"].items(), key=lambda kv: -kv[1]["us_per_step"]))
+            classes = ", ".join(
+                f"{cls} {v['us_per_step'] / 1e3:.2f} ms ({v['calls_per_step']:.0f})"
+                for cls, v in sorted(r["kernel_classes"].items(), key=lambda kv: -kv[1]["us_per_step"])
+            )
             print(f"{r['system']} b{r['batch_size']}: GPU time per step by kernel class (kernels): {classes}")
     return 0
 

@@ -64,7 +64,9 @@ def time_ms(fn, iters=20):
 def reference(q, k, v, mask_dense):
     k = k.expand(-1, q.shape[1], -1, -1)
     v = v.expand(-1, q.shape[1], -1, -1)
-    return torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask_dense, scale=1.0)
+    return torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), attn_mask=mask_dense, scale=1.0
+    )
 
 
 def try_options(compiled, q, k, v, block_mask, options, want):
@@ -75,7 +77,9 @@ def try_options(compiled, q, k, v, block_mask, options, want):
         torch.cuda.synchronize()
         compile_s = time.perf_counter() - start
         err = ((out.float() - want).norm() / want.norm()).item()
-        ms = time_ms(lambda: compiled(q, k, v, block_mask=block_mask, scale=1.0, enable_gqa=True, kernel_options=options))
+        ms = time_ms(
+            lambda: compiled(q, k, v, block_mask=block_mask, scale=1.0, enable_gqa=True, kernel_options=options)
+        )
         return {"ok": err < 2e-2, "rel_err": err, "ms": ms, "compile_s": compile_s}
     except Exception as error:  # report every failure mode, e.g. "out of resource"
         return {"ok": False, "error": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"}
@@ -100,7 +104,12 @@ def main():
         dense = torch.ones(T, T, device="cuda", dtype=torch.bool).tril()
         want = reference(q, k, v, dense)
         for options in [] if args.skip_prefill else PREFILL_CANDIDATES:
-            row = {"mode": "prefill", "head_dim": head_dim, "options": options, **try_options(compiled, q, k, v, causal, options, want)}
+            row = {
+                "mode": "prefill",
+                "head_dim": head_dim,
+                "options": options,
+                **try_options(compiled, q, k, v, causal, options, want),
+            }
             results.append(row)
             print(json.dumps(row), flush=True)
         # Decode: [B, 8, 1, D] over a [1, 1, 1024 * 128, D] pool, 3 pages per row.
@@ -121,9 +130,17 @@ def main():
             indices[:, 0, 0, :pages_per_row] = pages_BP.int()
             seq_lengths = (1, n_pages * page_size)
             masks = {
-                "partial": BlockMask.from_kv_blocks(num_blocks, indices, BLOCK_SIZE=page_size, mask_mod=mask_mod, seq_lengths=seq_lengths),
+                "partial": BlockMask.from_kv_blocks(
+                    num_blocks, indices, BLOCK_SIZE=page_size, mask_mod=mask_mod, seq_lengths=seq_lengths
+                ),
                 "full": BlockMask.from_kv_blocks(
-                    torch.zeros_like(num_blocks), indices, num_blocks, indices, BLOCK_SIZE=page_size, mask_mod=mask_mod, seq_lengths=seq_lengths
+                    torch.zeros_like(num_blocks),
+                    indices,
+                    num_blocks,
+                    indices,
+                    BLOCK_SIZE=page_size,
+                    mask_mod=mask_mod,
+                    seq_lengths=seq_lengths,
                 ),
             }
             dense = owner.repeat_interleave(page_size, dim=1)[:, None, None, :]
@@ -136,10 +153,15 @@ def main():
                     print(json.dumps(row), flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"torch": torch.__version__, "device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
+            json.dump(
+                {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "results": results}, f, indent=1
+            )
     print(f"{'mode':16} {'D':>4} {'ok':>3} {'ms':>8}  options / error")
     for row in results:
-        print(f"{row['mode']:16} {row['head_dim']:>4} {str(row['ok'])[0]:>3} {row.get('ms', float('nan')):8.3f}  {row['options']} {row.get('error', '')}")
+        print(
+            f"{row['mode']:16} {row['head_dim']:>4} {str(row['ok'])[0]:>3} {row.get('ms', float('nan')):8.3f}  "
+            f"{row['options']} {row.get('error', '')}"
+        )
     return 0
 
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-
 from qwen3_flex_inference import FlexInference, Sequence
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def build(preset: str, max_batch_size: int, **options):
@@ -28,13 +28,25 @@ def build(preset: str, max_batch_size: int, **options):
         from gemma4_flex_inference import FlexGemma4Inference as engine_class
     else:
         engine_class = FlexInference
-    engine = engine_class(model, None, max_batch_size=max_batch_size, max_seq_length=1024, n_pages=1024, page_size=128, max_new_tokens=32, **options)
+    engine = engine_class(
+        model,
+        None,
+        max_batch_size=max_batch_size,
+        max_seq_length=1024,
+        n_pages=1024,
+        page_size=128,
+        max_new_tokens=32,
+        **options,
+    )
     engine.end_ids = set()
     return engine, config
 
 
 KERNEL_CLASSES = [  # (class, substrings of the kernel name), first match wins
-    ("GEMM (skinny_linear, Triton)", ("_skinny_matmul", "_skinny_split_k")),  # not inductor's kernels fused around the op
+    (
+        "GEMM (skinny_linear, Triton)",
+        ("_skinny_matmul", "_skinny_split_k"),
+    ),  # not inductor's kernels fused around the op
     ("flex attention", ("flex", "triton_tem")),
     ("GEMM", ("gemm", "gemv", "nvjet", "cutlass", "sm90_", "splitk")),
     ("copy / cast", ("copy", "memcpy", "memset", "cat", "to_copy", "Memcpy", "Memset")),
@@ -68,7 +80,13 @@ def decode_kernel_table(engine, prompts, num_steps: int, top: int = 25) -> tuple
     for name, (us, count) in kernel_times(engine, prompts, num_steps + 1).items():
         prefill_us, prefill_count = prefill.get(name, (0.0, 0))
         if count > prefill_count:
-            rows.append({"kernel": name, "calls_per_step": (count - prefill_count) / num_steps, "us_per_step": (us - prefill_us) / num_steps})
+            rows.append(
+                {
+                    "kernel": name,
+                    "calls_per_step": (count - prefill_count) / num_steps,
+                    "us_per_step": (us - prefill_us) / num_steps,
+                }
+            )
     rows.sort(key=lambda r: -r["us_per_step"])
     for row in rows:
         row["kernel"] = row["kernel"][:110]
@@ -90,7 +108,9 @@ def main() -> int:
     args = parser.parse_args()
     results = {}
     for batch_size in args.batch_sizes:
-        engine, config = build(args.preset, batch_size, compile_decode=args.compile_decode, fuse_projections=args.fuse_projections)
+        engine, config = build(
+            args.preset, batch_size, compile_decode=args.compile_decode, fuse_projections=args.fuse_projections
+        )
         prompts = [torch.randint(3, config.vocab_size, (128,)).tolist() for _ in range(batch_size)]
         start = time.perf_counter()
         engine.generate([Sequence(input_ids=p, max_new_tokens=4) for p in prompts])  # compile
@@ -110,9 +130,18 @@ def main() -> int:
         end.record()
         torch.cuda.synchronize()
         replay_ms = start.elapsed_time(end) / 50
-        results[batch_size] = {"graph_replay_ms": replay_ms, "first_generate_s": first_generate_s, "capture_s": capture_s, "classes": classes, "kernels": table}
-        print(f"== batch {batch_size}: CUDA graph replay {replay_ms:.3f} ms/step; first generate (compiles) {first_generate_s:.1f} s, "
-              f"capture {capture_s:.1f} s; top kernels (eager steps, us/step):")
+        results[batch_size] = {
+            "graph_replay_ms": replay_ms,
+            "first_generate_s": first_generate_s,
+            "capture_s": capture_s,
+            "classes": classes,
+            "kernels": table,
+        }
+        print(
+            f"== batch {batch_size}: CUDA graph replay {replay_ms:.3f} ms/step; "
+            f"first generate (compiles) {first_generate_s:.1f} s, "
+            f"capture {capture_s:.1f} s; top kernels (eager steps, us/step):"
+        )
         for cls, row in sorted(classes.items(), key=lambda item: -item[1]["us_per_step"]):
             print(f"{row['us_per_step']:9.1f} us  {row['calls_per_step']:6.1f}x  class: {cls}")
         for row in table:
