@@ -3,6 +3,7 @@ bf16 Gemma-4-E2B-shaped decode where eager and graph decode must agree, the bf16
 fastest decode mode against HF bf16's, and the skinny decode GEMM
 (every Triton config against fp64, skinny_linear's bits eager and replayed). Run by scripts/gpu_check.sh."""
 
+import copy
 import json
 
 import pytest
@@ -97,8 +98,6 @@ def test_bf16_decode_logit_error_of_the_fastest_mode_at_most_1_2x_hf_bf16():
     (compiled step, fused projections, skinny GEMMs, CUDA graphs) in bf16 against HF bf16 on the
     same rounded weights: each one's relative logit error against float32 HF, on the same tokens
     (the engine's decode logits; HF teacher-forced on the sequences the engine produced)."""
-    import copy
-
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from gemma4_flex_inference import FlexGemma4Inference
@@ -178,3 +177,36 @@ def test_skinny_gemv_configs_match_fp64_and_skinny_linear_is_deterministic_under
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(static_M1N, got_M1N), f"{N=} {K=} {M=} {choice=}"
+
+
+def test_float32_gemma4_at_head_dims_256_and_512_fits_its_kernel_options_and_matches_hf():
+    """float32 at E2B's head dims (256 sliding, 512 full): the per-dtype kernel options fit the
+    GPU's shared memory (bf16's prefill tiles do not) and the tokens equal HF's, eager and with
+    CUDA graphs. A small model with E2B's attention shapes: 6 layers, 2 of them KV-shared."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from gemma4_flex_inference import FlexGemma4Inference
+    from qwen3_flex_inference import Sequence
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    preset = json.loads((ROOT / "scripts/presets/unsloth__gemma-4-E2B-it.json").read_text())
+    preset.update(
+        vocab_size=512, vocab_size_per_layer_input=512, hidden_size=128, hidden_size_per_layer_input=16,
+        intermediate_size=256, num_hidden_layers=6, num_kv_shared_layers=2, sliding_window=24,
+        layer_types=["sliding_attention", "full_attention"] * 3,
+    )  # fmt: skip
+    config = AutoConfig.for_model(**preset)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager").eval()
+    assert {layer.self_attn.head_dim for layer in hf.model.layers} == {256, 512}
+    engine = FlexGemma4Inference(
+        copy.deepcopy(hf), None, max_batch_size=4, max_seq_length=256, n_pages=64, page_size=16,
+        max_new_tokens=MAX_NEW_TOKENS,
+    )  # fmt: skip
+    prompts = random_prompts([5, 70, 17, 40, 130], config.vocab_size, seed=13)
+    want = [_rollout_cuda(hf, ids, engine.end_ids) for ids in prompts]
+    for use_graph in (False, True):
+        sequences = engine.generate([Sequence(input_ids=ids) for ids in prompts], capture_cudagraph=use_graph)
+        for i, (seq, w) in enumerate(zip(sequences, want)):
+            assert seq.output_ids == w, f"{use_graph=} prompt {i}: {seq.output_ids=} {w=}"
