@@ -733,7 +733,13 @@ class ModelRunner:
         self.fa4_prefill = resolve_fa4_prefill(fa4_prefill, cache_head_dims, self.device)
         self.kernel_options = {
             head_dim: KernelOptions.pick(
-                head_dim, self.device, self.dtype, self.fa4_prefill, prefill_kernel_options, decode_kernel_options
+                head_dim,
+                self.device,
+                self.dtype,
+                self.page_size,
+                self.fa4_prefill,
+                prefill_kernel_options,
+                decode_kernel_options,
             )
             for head_dim in head_dims
         }
@@ -1471,10 +1477,17 @@ class KernelOptions:
 
     @staticmethod
     def pick(
-        head_dim: int, device, dtype, fa4_prefill: bool, prefill_overrides: dict | None, decode_overrides: dict | None
+        head_dim: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        page_size: int,
+        fa4_prefill: bool,
+        prefill_overrides: dict | None,
+        decode_overrides: dict | None,
     ):
-        """The defaults for this head_dim, device and dtype, FLASH for prefill when asked, then the overrides."""
-        prefill, decode = default_kernel_options(head_dim, device, dtype)
+        """The defaults for this head_dim, device, dtype and page size, FLASH for prefill when asked,
+        then the overrides."""
+        prefill, decode = default_kernel_options(head_dim, device, dtype, page_size)
         if fa4_prefill:
             prefill = {"BACKEND": "FLASH"}
         return KernelOptions(
@@ -1482,7 +1495,9 @@ class KernelOptions:
         )
 
 
-def default_kernel_options(head_dim: int, device: torch.device, dtype: torch.dtype) -> tuple[dict, dict]:
+def default_kernel_options(
+    head_dim: int, device: torch.device, dtype: torch.dtype, page_size: int
+) -> tuple[dict, dict]:
     """(prefill, decode) flex_attention kernel options per head_dim and dtype, picked with the
     kernel-option sweep on an H200 (scripts/benchmarks/flex_kernel_options.py; E2B heads: 8 query, 1 KV).
 
@@ -1490,11 +1505,12 @@ def default_kernel_options(head_dim: int, device: torch.device, dtype: torch.dty
     has, so prefill takes 32x32 tiles (the fastest that fit); float32 doubles every tile's bytes,
     so its tiles shrink further, to one pipeline stage. Decode over a pool of pages with partial
     blocks: BLOCK_N 32 with one stage at head_dim 256, BLOCK_N 16 at 512 (which fit in float32
-    too); paged_decode_attention adds the batch-dependent SPLIT_KV.
+    too), and never wider than a page, decode's sparse block (flex asserts it);
+    paged_decode_attention adds the batch-dependent SPLIT_KV.
     """
     if device.type != "cuda" or head_dim <= 128:
         return {}, {}
-    decode = {"BLOCK_N": 16 if head_dim > 256 else 32, "num_stages": 1}
+    decode = {"BLOCK_N": min(16 if head_dim > 256 else 32, page_size), "num_stages": 1}
     if dtype == torch.float32:
         prefill = {"BLOCK_M": 32, "BLOCK_N": 16 if head_dim > 256 else 32, "num_stages": 1}
     else:

@@ -179,10 +179,12 @@ def test_skinny_gemv_configs_match_fp64_and_skinny_linear_is_deterministic_under
             assert torch.equal(static_M1N, got_M1N), f"{N=} {K=} {M=} {choice=}"
 
 
-def test_float32_gemma4_at_head_dims_256_and_512_fits_its_kernel_options_and_matches_hf():
-    """float32 at E2B's head dims (256 sliding, 512 full): the per-dtype kernel options fit the
-    GPU's shared memory (bf16's prefill tiles do not) and the tokens equal HF's, eager and with
-    CUDA graphs. A small model with E2B's attention shapes: 6 layers, 2 of them KV-shared."""
+@pytest.mark.parametrize("page_size", [16, 128])
+def test_float32_gemma4_at_head_dims_256_and_512_fits_its_kernel_options_and_matches_hf(page_size):
+    """float32 at E2B's head dims (256 sliding, 512 full): the kernel options, per dtype and page
+    size, fit the GPU's shared memory (bf16's prefill tiles do not) and flex's block-size rules
+    (decode tiles no wider than a page), and the tokens equal HF's, eager and with CUDA graphs. A
+    small model with E2B's attention shapes: 6 layers, 2 of them KV-shared."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from gemma4_flex_inference import FlexGemma4Inference
@@ -201,7 +203,7 @@ def test_float32_gemma4_at_head_dims_256_and_512_fits_its_kernel_options_and_mat
         hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager").eval()
     assert {layer.self_attn.head_dim for layer in hf.model.layers} == {256, 512}
     engine = FlexGemma4Inference(
-        copy.deepcopy(hf), None, max_batch_size=4, max_seq_length=256, n_pages=64, page_size=16,
+        copy.deepcopy(hf), None, max_batch_size=4, max_seq_length=256, n_pages=64, page_size=page_size,
         max_new_tokens=MAX_NEW_TOKENS,
     )  # fmt: skip
     prompts = random_prompts([5, 70, 17, 40, 130], config.vocab_size, seed=13)

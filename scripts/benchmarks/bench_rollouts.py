@@ -143,7 +143,9 @@ def run_engine(model, prompts, new_tokens, use_graph, **options):
     timings = dict(engine.timings)
     num_steps = new_tokens - 1  # the first token comes from prefill
     prefill_tps_no_shortcut = float("nan")
-    if getattr(engine, "use_prefill_shortcut", False):  # Gemma-4: the same prefill with every row through every layer
+    if getattr(
+        engine.runner, "use_prefill_shortcut", False
+    ):  # Gemma-4: the same prefill with every row through every layer
         engine.runner.use_prefill_shortcut = False
         engine.generate([Sequence(input_ids=p, max_new_tokens=1) for p in prompts])  # compile the longer path
         engine.generate([Sequence(input_ids=p, max_new_tokens=1) for p in prompts])
