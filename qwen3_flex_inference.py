@@ -2399,6 +2399,18 @@ def cli_message(error: FlexInferenceError, flags) -> str:
     return message
 
 
+# Flags passed on as they are: to the model loader, and to the engine.
+LOADER_FLAGS = ("load_format", "load_in_4bit", "trust_remote_code", "allow_pickle_weights", "seed")
+ENGINE_FLAGS = (
+    "max_batch_size", "max_seq_length", "n_pages", "page_size", "max_new_tokens", "fa4_prefill", "compile_decode",
+    "fuse_projections", "skinny_gemms",
+)  # fmt: skip
+
+
+def flags_of(args, names: tuple[str, ...]) -> dict:
+    return {name: getattr(args, name) for name in names}
+
+
 def check_cli_args(args) -> None:
     """Flag combinations the CLI refuses, before anything is loaded."""
     for flag in ("max_new_tokens", "n_rounds", "verify_iterations"):
@@ -2438,16 +2450,7 @@ def run_rounds(args, engine_class, load_model, default_chat_template: str, load_
         transformers_logging.disable_progress_bar()
 
     start = time.perf_counter()
-    model = load_model(
-        args.model_name,
-        dtype,
-        device,
-        load_format=args.load_format,
-        load_in_4bit=args.load_in_4bit,
-        trust_remote_code=args.trust_remote_code,
-        allow_pickle_weights=args.allow_pickle_weights,
-        seed=args.seed,
-    )
+    model = load_model(args.model_name, dtype, device, **flags_of(args, LOADER_FLAGS))
     # Dummy weights take a tokenizer only from a local folder: a preset needs no network.
     is_dummy = args.load_format == "dummy"
     tokenizer = None
@@ -2463,18 +2466,10 @@ def run_rounds(args, engine_class, load_model, default_chat_template: str, load_
     engine = engine_class(
         model,
         tokenizer,
-        max_batch_size=args.max_batch_size,
-        max_seq_length=args.max_seq_length,
-        n_pages=args.n_pages,
-        page_size=args.page_size,
-        max_new_tokens=args.max_new_tokens,
         decode_kernel_options=decode_options,
         prefill_kernel_options=prefill_options,
-        fa4_prefill=args.fa4_prefill,
         peft_model=peft_model,
-        compile_decode=args.compile_decode,
-        fuse_projections=args.fuse_projections,
-        skinny_gemms=args.skinny_gemms,
+        **flags_of(args, ENGINE_FLAGS),
     )
     drift = None
     if args.verify_no_drift:

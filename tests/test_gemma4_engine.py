@@ -143,16 +143,7 @@ def test_lora_double_copy_equals_hf_peft_merged_and_drift_check_passes(tiny_dir)
     path = tiny_dir / "gemma4_text"
     reference = PeftModel.from_pretrained(load_hf(path), path / "lora").merge_and_unload()
     peft_model = PeftModel.from_pretrained(load_hf(path), path / "lora")
-    engine = FlexGemma4Inference(
-        peft_model,
-        None,
-        max_batch_size=4,
-        max_seq_length=256,
-        n_pages=64,
-        page_size=16,
-        max_new_tokens=MAX_NEW_TOKENS,
-        peft_model=peft_model,
-    )
+    engine = make_engine(peft_model, peft_model=peft_model)
     prompts = random_prompts([7, 30, 55], reference.config.vocab_size, seed=4)
     want = hf_argmax_rollout(reference, prompts, MAX_NEW_TOKENS, engine.end_ids)
     got = [s.output_ids for s in engine.generate([Sequence(input_ids=ids) for ids in prompts])]
@@ -175,16 +166,7 @@ def test_adapter_trained_on_the_multimodal_model_equals_hf_peft_merged(tiny_dir)
     reference = PeftModel.from_pretrained(multimodal, path / "lora").merge_and_unload().eval()
     shell = load_gemma4(str(path), torch.float32, torch.device("cpu"))
     peft_model = load_gemma4_adapter(shell, str(path / "lora"))
-    engine = FlexGemma4Inference(
-        peft_model,
-        None,
-        max_batch_size=4,
-        max_seq_length=256,
-        n_pages=64,
-        page_size=16,
-        max_new_tokens=MAX_NEW_TOKENS,
-        peft_model=peft_model,
-    )
+    engine = make_engine(peft_model, peft_model=peft_model)
     assert len(engine.lora_targets) == 62, f"{len(engine.lora_targets)=}"  # 124 LoRA tensors = 62 modules
     # ids 5-11 are image/audio placeholders, which the multimodal model treats as media
     prompts = random_prompts([7, 30, 55], shell.config.vocab_size, seed=6, low=12)

@@ -17,20 +17,16 @@ from qwen3_flex_inference import (
 MAX_NEW_TOKENS = 16
 
 
+def make_engine(model, **overrides):
+    limits = dict(max_batch_size=4, max_seq_length=256, n_pages=64, page_size=16, max_new_tokens=MAX_NEW_TOKENS)
+    return FlexInference(model, None, **{**limits, **overrides})
+
+
 @pytest.fixture(scope="module")
 def setup(tiny_dir):
     path = tiny_dir / "qwen3"
     peft_model = PeftModel.from_pretrained(load_hf(path), path / "lora")
-    engine = FlexInference(
-        peft_model,
-        None,
-        max_batch_size=4,
-        max_seq_length=256,
-        n_pages=64,
-        page_size=16,
-        max_new_tokens=MAX_NEW_TOKENS,
-        peft_model=peft_model,
-    )
+    engine = make_engine(peft_model, peft_model=peft_model)
     prompts = random_prompts([6, 40, 23], peft_model.config.vocab_size, seed=5)
     return dict(path=path, peft_model=peft_model, engine=engine, prompts=prompts)
 
@@ -132,9 +128,7 @@ def test_peft_merge_unmerge_cycle_drifts_in_bf16(tiny_dir):
 def test_unmerged_peft_wrapper_matches_merged_engine(setup, tiny_dir):
     path = setup["path"]
     unmerged = PeftModel.from_pretrained(load_hf(path), path / "lora")
-    engine = FlexInference(
-        unmerged, None, max_batch_size=4, max_seq_length=256, n_pages=64, page_size=16, max_new_tokens=MAX_NEW_TOKENS
-    )
+    engine = make_engine(unmerged)
     got = [s.output_ids for s in engine.generate([Sequence(input_ids=ids) for ids in setup["prompts"]])]
     assert not any(layer.merged for layer in lora_layers(unmerged).values())
     assert got == hf_peft_merged_tokens(setup)
@@ -144,17 +138,7 @@ def test_fused_projections_keep_the_lora_refresh_in_place(setup):
     """With q/k/v and gate/up fused, the refresh writes through the views into the fused weights."""
     path = setup["path"]
     peft_model = PeftModel.from_pretrained(load_hf(path), path / "lora")
-    engine = FlexInference(
-        peft_model,
-        None,
-        max_batch_size=4,
-        max_seq_length=256,
-        n_pages=64,
-        page_size=16,
-        max_new_tokens=MAX_NEW_TOKENS,
-        peft_model=peft_model,
-        fuse_projections=True,
-    )
+    engine = make_engine(peft_model, peft_model=peft_model, fuse_projections=True)
     tokens = [s.output_ids for s in engine.generate([Sequence(input_ids=ids) for ids in setup["prompts"]])]
     assert tokens == hf_peft_merged_tokens(setup)
     with torch.no_grad():
