@@ -212,3 +212,22 @@ def test_greedy_tokens_equal_argmax_with_ties_eager_and_compiled(vocab_size):
     want = logits_BV.argmax(-1)
     assert torch.equal(greedy_tokens(logits_BV), want)
     assert torch.equal(torch.compile(greedy_tokens, fullgraph=True, dynamic=False)(logits_BV), want)
+
+
+def test_head_dim_not_a_multiple_of_16_compiles_on_cpu_and_matches_hf(tiny_dir):
+    """Inductor's C++ flex kernel was reported failing to compile at head_dim 12 ("cur_kvSplitSize4
+    was not declared"); with torch 2.13 it compiles, prefill and decode, and the tokens equal HF's."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(tiny_dir / "qwen3", head_dim=12)
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    engine = FlexInference(
+        AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval(), None, max_batch_size=2,
+        max_seq_length=128, n_pages=32, page_size=16, max_new_tokens=8,
+    )  # fmt: skip
+    engine.runner.causal_lm.load_state_dict(hf.state_dict())
+    engine.end_ids = set()
+    prompts = random_prompts([5, 40, 23], config.vocab_size, seed=12)
+    got = [seq.output_ids for seq in engine.generate([Sequence(input_ids=ids) for ids in prompts])]
+    assert got == hf_greedy(hf, prompts, 8, set()), f"{got=}"
