@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -76,20 +77,82 @@ class FlexInferenceError(ValueError):
 # ---------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class SamplingParams:
+    """How a sequence picks its tokens, with vLLM's names.
+
+    temperature 0 is greedy (HF's argmax tokens); top_k 0, top_p 1.0 and min_p 0.0 are off; the
+    filters apply as HF's do: logits / temperature, then top-k, top-p, min-p. `seed` fixes the
+    draws (None: one from the engine's seed); `n` completions per prompt (`FlexInference.rollouts`);
+    `max_new_tokens` None takes the engine's; `stop_token_ids` add to the model's end ids, which
+    `ignore_eos` ignores; `logprobs` records log_softmax(logits / temperature) at each chosen token,
+    over the whole vocabulary before any filtering (at temperature 0, log_softmax(logits)): the
+    log-probs a GRPO trainer computes for the importance ratio and the KL.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    n: int = 1
+    max_new_tokens: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        checks = [
+            (self.temperature >= 0, f"temperature must be at least 0, got {self.temperature}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.top_k >= 0, f"top_k must be at least 0 (0: off), got {self.top_k}"),
+            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
+            (self.seed is None or 0 <= self.seed < 2**62, f"seed must be in [0, 2**62), got {self.seed}"),
+            (self.n >= 1, f"n must be at least 1, got {self.n}"),
+            (
+                self.max_new_tokens is None or self.max_new_tokens >= 1,
+                f"max_new_tokens must be at least 1, got {self.max_new_tokens}",
+            ),
+        ]
+        for is_valid, message in checks:
+            if not is_valid:
+                raise FlexInferenceError(message, message.split()[0])
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def is_filtered(self) -> bool:
+        """Whether top-k or top-p is on (they cost extra passes over the vocabulary)."""
+        return self.top_k > 0 or self.top_p < 1
+
+
+GREEDY = SamplingParams(temperature=0.0)
+# How a decode step picks its rows' tokens (sampling_mode): each mode is its own graph per bucket.
+GREEDY_MODE, SAMPLE_MODE, FILTERED_MODE = "greedy", "sample", "filtered"
+
+
 @dataclass
 class Sequence:
-    """One prompt and its completion. `input_ids`, when given, is used as is (no tokenizer needed)."""
+    """One prompt and its completion. `input_ids`, when given, is used as is (no tokenizer needed);
+    `sampling` None is greedy."""
 
     text: str | None = None
     input_ids: list[int] | None = None
     max_new_tokens: int | None = None
+    sampling: SamplingParams | None = None
     output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)  # with sampling.logprobs
     finished: bool = False
     finish_reason: str | None = None  # "stop" (an end id) or "length"
     record_logits: bool = False  # keep each generated token's logits (tests, analysis)
     output_logits: list = field(default_factory=list)
     batch_idx: int = -1  # batch slot while it holds pages, -1 otherwise
     num_preemptions: int = 0
+    seed: int = 0  # the seed of this run's draws (sampling.seed, or one from the engine's)
+    end_ids: frozenset = frozenset()  # the token ids that finish it in this run
 
     @property
     def token_ids(self) -> list[int]:
@@ -131,6 +194,7 @@ class FlexInference:
         compile_decode: bool = False,
         fuse_projections: bool = False,
         skinny_gemms: bool = True,
+        seed: int = 0,
     ):
         check_engine_limits(max_batch_size, max_seq_length, n_pages, page_size, max_new_tokens)
         self.model = model
@@ -169,6 +233,7 @@ class FlexInference:
             is_lora_merged=peft_model is not None,
         )
         self.timings: dict[str, float] = {}
+        self.seeds = random.Random(seed)  # the seeds of sequences that bring none
         self.peft_model = peft_model
         self.lora_targets: dict[str, torch.Tensor] = {}
         self.pristine_lora_weights: dict[str, torch.Tensor] = {}
@@ -185,7 +250,7 @@ class FlexInference:
                     raise FlexInferenceError("a Sequence needs text or input_ids")
                 if self.tokenizer is None:
                     raise FlexInferenceError("a Sequence without input_ids needs a tokenizer")
-                seq.input_ids = self.tokenizer(seq.text, add_special_tokens=False)["input_ids"]
+                seq.input_ids = tokenize_prompt(self.tokenizer, seq.text)
             seq.input_ids = list(seq.input_ids)
             if not seq.input_ids:
                 raise FlexInferenceError("a prompt has no tokens")
@@ -195,27 +260,63 @@ class FlexInference:
                     "shorten it or raise max_seq_length",
                     "max_seq_length",
                 )
+            params = seq.sampling or GREEDY
+            if params.n != 1:
+                raise FlexInferenceError(
+                    f"a Sequence is one completion, but its SamplingParams ask for n={params.n}: use rollouts"
+                )
             if seq.max_new_tokens is None:
-                seq.max_new_tokens = self.max_new_tokens
+                seq.max_new_tokens = params.max_new_tokens or self.max_new_tokens
             if seq.max_new_tokens < 1:
                 raise FlexInferenceError(
                     f"max_new_tokens must be at least 1, got {seq.max_new_tokens}", "max_new_tokens"
                 )
-            seq.output_ids, seq.output_logits, seq.finished, seq.finish_reason = [], [], False, None
+            seq.seed = params.seed if params.seed is not None else self.seeds.getrandbits(62)
+            seq.end_ids = frozenset(params.stop_token_ids) | (
+                frozenset() if params.ignore_eos else frozenset(self.end_ids)
+            )
+            seq.output_ids, seq.output_logprobs, seq.output_logits = [], [], []
+            seq.finished, seq.finish_reason = False, None
 
     @torch.inference_mode()
     def generate(
         self, sequences: list[Sequence], capture_cudagraph: bool = False, progress: bool = False
     ) -> list[Sequence]:
-        """Greedy-decodes every sequence to an end id or its max_new_tokens; returns them in input order."""
+        """Decodes every sequence to an end id or its max_new_tokens (greedy, or as its `sampling`
+        says); returns them in input order, the same objects, filled in."""
         self.prepare(sequences)
         with compile_settings():
             if capture_cudagraph:
-                self.capture_cuda_graphs()
+                # every mode a step can take: a step's mode is the most demanding of its rows'
+                self.capture_cuda_graphs(modes=sorted({sampling_mode([seq]) for seq in sequences}))
             try:
                 return self._generate(sequences, capture_cudagraph, progress)
             finally:  # an error (or an interrupt) mid-way leaves no slot or page held
                 self.scheduler.abort()
+
+    @torch.inference_mode()
+    def rollouts(
+        self, prompts: list, params: SamplingParams, capture_cudagraph: bool = False, progress: bool = False
+    ) -> list[list[Sequence]]:
+        """`params.n` completions of every prompt (a string, tokenized as `tokenize_prompt` does, or
+        token ids), drawn as `params` says; groups[i] holds prompts[i]'s completions.
+
+        Completion j of prompt i draws with seed s + i * n + j (s: params.seed, or one from the
+        engine's seed): prompt 0's completions use s, ..., s + n - 1, and no two completions share
+        their noise.
+        """
+        base_seed = params.seed if params.seed is not None else self.seeds.getrandbits(61)
+        groups = []
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, str) and self.tokenizer is None:
+                raise FlexInferenceError("a text prompt needs a tokenizer")
+            input_ids = tokenize_prompt(self.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
+            text = prompt if isinstance(prompt, str) else None
+            seeds = [base_seed + i * params.n + j for j in range(params.n)]
+            samplings = [dataclasses.replace(params, n=1, seed=seed) for seed in seeds]
+            groups.append([Sequence(text=text, input_ids=input_ids, sampling=sampling) for sampling in samplings])
+        self.generate([seq for group in groups for seq in group], capture_cudagraph, progress)
+        return groups
 
     def _generate(self, sequences: list[Sequence], use_graph: bool, progress: bool) -> list[Sequence]:
         """The loop: admit and prefill, one decode step for every running sequence, retire.
@@ -234,11 +335,11 @@ class FlexInference:
                 admitted = scheduler.admit(scheduler.max_prefill_tokens)
                 if admitted:
                     start = time.perf_counter()
-                    next_ids, logits_NV = runner.prefill(admitted)
+                    next_ids, logprobs, logits_NV = runner.prefill(admitted)
                     prefill_s += time.perf_counter() - start
                     num_prefill_tokens += sum(seq.seq_len for seq in admitted)
-                    for seq, token, logits_V in zip(admitted, next_ids, logits_NV):
-                        self._append(seq, token, logits_V)
+                    for i, seq in enumerate(admitted):
+                        self._append(seq, next_ids[i], None if logprobs is None else logprobs[i], logits_NV[i])
                     scheduler.run(admitted)
                     bar.update(len(admitted))
                 scheduler.retire()
@@ -250,12 +351,13 @@ class FlexInference:
             else:
                 start = time.perf_counter()
             next_launch = runner.launch_decode(scheduler.running, use_graph, launch) if scheduler.can_chain() else None
-            next_ids = launch.read()
+            next_ids, logprobs = launch.read()
             decode_s += time.perf_counter() - start
             num_appended = 0
             for i, seq in enumerate(launch.rows):
                 if not seq.finished:  # a row that finished a step earlier rode along in a chained step
-                    self._append(seq, next_ids[i], None if launch.logits_BV is None else launch.logits_BV[i])
+                    logprob = None if logprobs is None else logprobs[i]
+                    self._append(seq, next_ids[i], logprob, None if launch.logits_BV is None else launch.logits_BV[i])
                     num_appended += 1
             num_decode_tokens += num_appended
             bar.update(num_appended)
@@ -275,12 +377,15 @@ class FlexInference:
         )
         return sequences
 
-    def _append(self, seq: Sequence, token: int, logits_V: torch.Tensor | None) -> None:
-        """Tokens out: one generated token; the sequence finishes at an end id or its length limit."""
+    def _append(self, seq: Sequence, token: int, logprob: float | None, logits_V: torch.Tensor | None) -> None:
+        """Tokens out: one generated token (and its log-prob, when asked for); the sequence
+        finishes at one of its end ids or its length limit."""
         seq.output_ids.append(token)
+        if seq.sampling is not None and seq.sampling.logprobs:
+            seq.output_logprobs.append(logprob)
         if seq.record_logits:
             seq.output_logits.append(logits_V.detach().float().cpu())
-        if token in self.end_ids:
+        if token in seq.end_ids:
             seq.finished, seq.finish_reason = True, "stop"
         elif len(seq.output_ids) >= seq.max_new_tokens or seq.seq_len >= self.max_seq_length:
             seq.finished, seq.finish_reason = True, "length"
@@ -310,14 +415,15 @@ class FlexInference:
         return logits
 
     @torch.inference_mode()
-    def capture_cuda_graphs(self, buckets: list[int] | None = None) -> None:
-        """One CUDA graph per decode batch bucket (default: all), largest first, in one memory pool."""
+    def capture_cuda_graphs(self, buckets: list[int] | None = None, modes=(GREEDY_MODE,)) -> None:
+        """One CUDA graph per decode batch bucket (default: all) and sampling mode (default:
+        greedy), largest first, in one memory pool."""
         start = time.perf_counter()
         with compile_settings():
-            bucket_s = self.runner.capture_cuda_graphs(buckets)
-        if bucket_s:
+            graph_s = self.runner.capture_cuda_graphs(buckets, modes)
+        if graph_s:
             self.timings["capture_s"] = time.perf_counter() - start
-            self.timings["capture_s_per_bucket"] = bucket_s
+            self.timings["capture_s_per_graph"] = {f"{bucket} {mode}": s for (bucket, mode), s in graph_s.items()}
 
     def refresh_lora(self) -> None:
         """Re-merges the PEFT model's current adapter into the inference weights (in place)."""
@@ -328,6 +434,15 @@ def _progress_bar(total: int, enabled: bool):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, disable=not enabled, unit="tok", dynamic_ncols=True, leave=False)
+
+
+def tokenize_prompt(tokenizer, text: str) -> list[int]:
+    """The prompt's token ids as the model's tokenizer makes them for that kind of text: text from
+    apply_chat_template(..., tokenize=False) already starts with the BOS token (Gemma, Llama) and
+    gets no second one; raw text gets the tokenizer's special tokens (BOS where it adds one)."""
+    bos = getattr(tokenizer, "bos_token", None)
+    has_bos = bos is not None and text.startswith(bos)
+    return tokenizer(text, add_special_tokens=not has_bos)["input_ids"]
 
 
 def end_token_ids(causal_lm: nn.Module, tokenizer) -> set[int]:
@@ -764,14 +879,22 @@ class ModelRunner:
         self.decode_prologue = compile_region(self._decode_prologue)
         self.decode_layer = compile_region(call_layer)
         self.decode_epilogue = compile_region(self._decode_epilogue)
+        self.decode_sampling_epilogue = compile_region(self._decode_sampling_epilogue)
         self.buckets = batch_buckets(max_batch_size, smallest=2 if compile_decode else 1)
         # Static decode inputs, read in place by the CUDA graphs: token ids, positions, batch slots
         # (rows 0..B-1 of each).
         self.static_step_inputs = torch.zeros(3, max_batch_size, dtype=torch.long, device=self.device)
+        # Static sampling inputs per row: temperature, top_p, min_p; top_k, seed.
+        self.static_sampling_float = torch.zeros(max_batch_size, 3, device=self.device)
+        self.static_sampling_int = torch.zeros(max_batch_size, 2, dtype=torch.long, device=self.device)
         # Two host buffers for sampled tokens: one being read while the next step fills the other.
-        self.host_next_ids = torch.zeros(2, max_batch_size, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        is_pinned = self.device.type == "cuda"
+        self.host_next_ids = torch.zeros(2, max_batch_size, dtype=torch.long, pin_memory=is_pinned)
+        # The same for sampling steps: tokens and their log-probs, as float64 (exact for both).
+        self.host_samples = torch.zeros(2, 2, max_batch_size, dtype=torch.float64, pin_memory=is_pinned)
         self.num_decode_launches = 0
-        self.cuda_graphs: dict[int, tuple] = {}  # bucket -> (graph, next_ids [bucket], logits [bucket, V])
+        # (bucket, sampling mode) -> (graph, next_ids [bucket], host copy source, logits [bucket, V])
+        self.cuda_graphs: dict[tuple[int, str], tuple] = {}
         self.graph_pool = None
 
     # --- model-specific hooks (Gemma4ModelRunner overrides these) --------------------------
@@ -888,13 +1011,23 @@ class ModelRunner:
         )
         return inputs_RT[0:1], inputs_RT[1:2], step
 
-    def prefill(self, sequences: list[Sequence]) -> tuple[list[int], torch.Tensor]:
+    def prefill(self, sequences: list[Sequence]) -> tuple[list[int], list[float] | None, torch.Tensor]:
         """Runs the admitted `sequences` in one packed row, writing their K/V; returns each one's
-        next token and the logits at its last position [N, V]."""
+        next token, its log-prob (None when no row samples or records them) and the logits at each
+        sequence's last position [N, V]."""
         input_ids_1T, position_ids_1T, step = self.pack(sequences)
         last_positions_N = torch.tensor(sequences_last_positions(sequences), device=self.device)
         logits_NV = self.logits(self.prefill_hidden(input_ids_1T, position_ids_1T, step, last_positions_N)[0])
-        return logits_NV.argmax(-1).tolist(), logits_NV  # the one device->host sync of this prefill
+        mode = sampling_mode(sequences)
+        if mode == GREEDY_MODE:
+            return logits_NV.argmax(-1).tolist(), None, logits_NV  # the one device->host sync of this prefill
+        float_params_N3, int_params_N2 = sampling_inputs(sequences, len(sequences))
+        position_N = torch.tensor([seq.seq_len for seq in sequences])
+        tokens_N, logprobs_N = sample_tokens(
+            logits_NV, *(t.to(self.device) for t in (float_params_N3, int_params_N2, position_N)), mode == FILTERED_MODE
+        )
+        samples_2N = torch.stack([tokens_N.double(), logprobs_N.double()]).cpu()  # the one device->host sync
+        return samples_2N[0].long().tolist(), samples_2N[1].tolist(), logits_NV
 
     def score(self, sequences: list[Sequence]) -> torch.Tensor:
         """Teacher-forced logits [T, V] of the packed row of `sequences` (padding included)."""
@@ -923,16 +1056,26 @@ class ModelRunner:
         logits_BV = self.logits(self.decoder.norm(hidden_B1E)[:, -1])
         return greedy_tokens(logits_BV), logits_BV
 
+    def _decode_sampling_epilogue(
+        self, hidden_B1E, float_params_B3, int_params_B2, input_pos_B, is_filtered: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Final norm, logits [B, V], and sampled tokens [B] with their log-probs, packed [2, B] as
+        float64 for the one copy to the host."""
+        logits_BV = self.logits(self.decoder.norm(hidden_B1E)[:, -1])
+        tokens_B, logprobs_B = sample_tokens(logits_BV, float_params_B3, int_params_B2, input_pos_B + 1, is_filtered)
+        return tokens_B, torch.stack([tokens_B.double(), logprobs_B.double()]), logits_BV
+
     def _run_decode_layer(self, layer: nn.Module, hidden_B1E: torch.Tensor, **layer_kwargs) -> torch.Tensor:
         """One decoder layer of the decode step (compiled: its batch-sized inputs marked symbolic)."""
         layer_tensors = [t for t in torch.utils._pytree.tree_leaves(layer_kwargs) if isinstance(t, torch.Tensor)]
         mark_compile_shapes("batch", hidden_B1E, *layer_tensors, is_batch_symbolic=self.compile_decode)
         return self.decode_layer(layer, hidden_B1E, **layer_kwargs)
 
-    def _decode_step(self, input_ids_B, input_pos_B, batch_idx_B) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode_step(self, input_ids_B, input_pos_B, batch_idx_B, mode: str = GREEDY_MODE) -> tuple:
         """One token for every row: tensor ops only (no host sync), so it can be graph-captured.
+        `mode` (sampling_mode): greedy, or sampling with the static sampling inputs.
 
-        Returns (next_ids [B], logits [B, V]).
+        Returns (next_ids [B], what the host copies: next_ids or [2, B] tokens and log-probs, logits [B, V]).
         """
         # NOTE: no duck sizing while the regions compile: it makes one symbol of every two sizes
         # that happen to be equal (a PLE slice's storage offset and a batch slot row's, say), and
@@ -959,7 +1102,15 @@ class ModelRunner:
                 hidden_B1E, layer_inputs, step, range(len(self.decoder.layers)), self._run_decode_layer
             )
             mark_compile_shapes("batch", hidden_B1E, is_batch_symbolic=self.compile_decode)
-            return self.decode_epilogue(hidden_B1E)
+            if mode == GREEDY_MODE:
+                next_ids_B, logits_BV = self.decode_epilogue(hidden_B1E)
+                return next_ids_B, next_ids_B, logits_BV
+            bucket = input_ids_B.shape[0]
+            float_params_B3, int_params_B2 = self.static_sampling_float[:bucket], self.static_sampling_int[:bucket]
+            mark_compile_shapes("batch", float_params_B3, int_params_B2, is_batch_symbolic=self.compile_decode)
+            return self.decode_sampling_epilogue(
+                hidden_B1E, float_params_B3, int_params_B2, input_pos_B, mode == FILTERED_MODE
+            )
 
     def _static_step_inputs(self, bucket: int) -> list[torch.Tensor]:
         """Rows 0..bucket-1 of the static token ids, positions and batch slots."""
@@ -981,6 +1132,7 @@ class ModelRunner:
         B = len(rows)
         # Eager decode pads to the same buckets as the graphs: one compiled kernel per bucket.
         bucket = next(b for b in self.buckets if b >= B)
+        mode = sampling_mode(rows)
         if previous is None:
             # Rows: last token, its position, batch slot; padding rows aim at the reserved slot 0.
             padding = [0] * (bucket - B)
@@ -991,51 +1143,57 @@ class ModelRunner:
             ])  # fmt: skip
             self.flush_page_tables()
             self.static_step_inputs[:, :bucket].copy_(step_inputs, non_blocking=True)
+            if mode != GREEDY_MODE:
+                float_params_B3, int_params_B2 = sampling_inputs(rows, bucket)
+                self.static_sampling_float[:bucket].copy_(float_params_B3, non_blocking=True)
+                self.static_sampling_int[:bucket].copy_(int_params_B2, non_blocking=True)
         else:
             self.static_step_inputs[0, :B].copy_(previous.next_ids[:B])
             self.static_step_inputs[1, :B] += 1
         if use_graph:
-            graph, next_ids, logits = self.cuda_graphs[bucket]
+            graph, next_ids, host_source, logits = self.cuda_graphs[bucket, mode]
             graph.replay()
         else:
-            next_ids, logits = self._decode_step(*self._static_step_inputs(bucket))
+            next_ids, host_source, logits = self._decode_step(*self._static_step_inputs(bucket), mode)
         # The tokens go to a host buffer of their own: a chained step overwrites a graph's outputs.
-        host_ids = self.host_next_ids[self.num_decode_launches % 2]
+        host_buffers = self.host_next_ids if mode == GREEDY_MODE else self.host_samples
+        host_out = host_buffers[self.num_decode_launches % 2][..., :B]
         self.num_decode_launches += 1
-        host_ids[:B].copy_(next_ids[:B], non_blocking=True)
+        host_out.copy_(host_source[..., :B], non_blocking=True)
         is_done = None
         if self.device.type == "cuda":
             is_done = torch.cuda.Event()
             is_done.record()
         logits_BV = logits[:B].clone() if any(seq.record_logits for seq in rows) else None
-        return DecodeLaunch(rows, next_ids, host_ids, is_done, logits_BV)
+        return DecodeLaunch(rows, next_ids, host_out, is_done, logits_BV)
 
-    def capture_cuda_graphs(self, buckets: list[int] | None = None) -> dict[int, float]:
-        """One graph per batch bucket (default: all), largest first, all in one memory pool.
-        Returns the seconds each newly captured bucket took (warm-up included)."""
+    def capture_cuda_graphs(self, buckets: list[int] | None = None, modes=(GREEDY_MODE,)) -> dict[tuple, float]:
+        """One graph per batch bucket (default: all) and sampling mode, largest first, all in one
+        memory pool. Returns the seconds each newly captured graph took (warm-up included)."""
         if self.device.type != "cuda":
             raise FlexInferenceError("CUDA graphs need a CUDA device", "capture_cudagraph")
-        buckets = [b for b in (buckets or self.buckets) if b not in self.cuda_graphs]
+        keys = [(b, mode) for mode in modes for b in (buckets or self.buckets) if (b, mode) not in self.cuda_graphs]
         self.flush_page_tables()
-        bucket_s = {}
-        for bucket in sorted(buckets, reverse=True):
+        graph_s = {}
+        for bucket, mode in sorted(keys, reverse=True):
             start = time.perf_counter()
             self.static_step_inputs[:, :bucket].zero_()  # every row a padding row: slot 0, page 0
+            self.static_sampling_float[:bucket], self.static_sampling_int[:bucket] = sampling_inputs([], bucket)
             step_inputs = self._static_step_inputs(bucket)
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):  # eager warm-up compiles this bucket's kernels
-                self._decode_step(*step_inputs)
+                self._decode_step(*step_inputs, mode)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.graph_pool):
-                next_ids, logits = self._decode_step(*step_inputs)
+                outputs = self._decode_step(*step_inputs, mode)
             self.graph_pool = graph.pool()
-            self.cuda_graphs[bucket] = (graph, next_ids, logits)
-            bucket_s[bucket] = time.perf_counter() - start
-        if bucket_s:
+            self.cuda_graphs[bucket, mode] = (graph, *outputs)
+            graph_s[bucket, mode] = time.perf_counter() - start
+        if graph_s:
             torch.cuda.synchronize()
-        return bucket_s
+        return graph_s
 
 
 @dataclass
@@ -1044,14 +1202,44 @@ class DecodeLaunch:
 
     rows: list[Sequence]
     next_ids: torch.Tensor  # [bucket] on the device
-    host_ids: torch.Tensor  # [max_batch_size] host buffer (pinned on CUDA) the tokens are copied into
+    # host buffer (pinned on CUDA) the step's output is copied into: tokens [B] (greedy), or
+    # tokens and log-probs [2, B] as float64 (sampling)
+    host_out: torch.Tensor
     is_done: torch.cuda.Event | None  # None on the CPU, where every copy is synchronous
     logits_BV: torch.Tensor | None  # kept only when a row records its logits
 
-    def read(self) -> list[int]:
+    def read(self) -> tuple[list[int], list[float] | None]:
+        """The step's tokens and their log-probs (None for a greedy step)."""
         if self.is_done is not None:
             self.is_done.synchronize()  # the one device->host sync per decode step
-        return self.host_ids[: len(self.rows)].tolist()
+        if self.host_out.dim() == 1:
+            return self.host_out.tolist(), None
+        return self.host_out[0].long().tolist(), self.host_out[1].tolist()
+
+
+def sampling_mode(sequences: list[Sequence]) -> str:
+    """How a step over `sequences` picks tokens: greedy (every row greedy without log-probs: the
+    plain argmax step), filtered (a sampling row uses top-k or top-p), or sample."""
+    params = [seq.sampling or GREEDY for seq in sequences]
+    if any(p.is_filtered and not p.is_greedy for p in params):
+        return FILTERED_MODE
+    if any(not p.is_greedy or p.logprobs for p in params):
+        return SAMPLE_MODE
+    return GREEDY_MODE
+
+
+def sampling_inputs(sequences: list[Sequence], num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' sampling parameters, padded to `num_rows` with greedy rows: (temperature, top_p,
+    min_p) [num_rows, 3] and (top_k, seed) [num_rows, 2], on the CPU."""
+    float_rows, int_rows = [], []
+    for seq in sequences:
+        params = seq.sampling or GREEDY
+        float_rows.append([params.temperature, params.top_p, params.min_p])
+        int_rows.append([params.top_k, seq.seed])
+    padding = num_rows - len(sequences)
+    float_rows += [[0.0, 1.0, 0.0]] * padding
+    int_rows += [[0, 0]] * padding
+    return torch.tensor(float_rows, dtype=torch.float32), torch.tensor(int_rows, dtype=torch.long)
 
 
 def sequences_last_positions(sequences: list[Sequence]) -> list[int]:
@@ -1416,6 +1604,104 @@ def greedy_tokens(logits_BV: torch.Tensor) -> torch.Tensor:
     chunk_max_BC, chunk_argmax_BC = logits_BV.view(B, num_chunks, V // num_chunks).max(-1)
     best_chunk_B = chunk_max_BC.argmax(-1)  # the first chunk holding the row's maximum
     return best_chunk_B * (V // num_chunks) + chunk_argmax_BC.gather(1, best_chunk_B[:, None]).squeeze(1)
+
+
+def sample_tokens(
+    logits_BV: torch.Tensor,
+    float_params_B3: torch.Tensor,
+    int_params_B2: torch.Tensor,
+    position_B: torch.Tensor,
+    is_filtered: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's next token and its log-probability, drawn as HF's sampling does: logits / T,
+    then top-k, then top-p, then min-p; a row with temperature 0 takes the argmax.
+
+    float_params_B3: temperature, top_p, min_p per row; int_params_B2: top_k, seed per row;
+    position_B: the position the sampled token takes in its sequence. `is_filtered`: whether any
+    row uses top-k or top-p (without, their passes are skipped).
+    The draw is Gumbel-max over the kept tokens with noise from a hash of (seed, position, token):
+    it depends on nothing else, so neither the batch, its bucket, preemption nor another GPU can
+    change a sequence's tokens. Log-probs are log_softmax(logits / T) at the chosen token, over the
+    whole vocabulary (what a GRPO trainer computes); at temperature 0, log_softmax(logits).
+    """
+    temperature_B, top_p_B, min_p_B = float_params_B3.unbind(1)
+    top_k_B, seed_B = int_params_B2.unbind(1)
+    is_greedy_B = temperature_B <= 0
+    z_BV = logits_BV / torch.where(is_greedy_B, 1.0, temperature_B)[:, None]
+    z_max_B1 = z_BV.amax(-1, keepdim=True)
+    keep_BV = z_BV - z_max_B1 >= torch.log(min_p_B)[:, None]  # min-p: p >= min_p * max p
+    if is_filtered:
+        keep_BV = keep_BV & top_k_top_p_mask(z_BV, z_max_B1, top_k_B, top_p_B)
+    gumbel_BV = sampling_noise(seed_B, position_B, z_BV.shape[1])
+    sampled_B = torch.where(keep_BV, z_BV + gumbel_BV, -torch.inf).argmax(-1)
+    tokens_B = torch.where(is_greedy_B, greedy_tokens(logits_BV), sampled_B)
+    logprobs_B = z_BV.gather(1, tokens_B[:, None]).squeeze(1) - torch.logsumexp(z_BV, -1)
+    return tokens_B, logprobs_B
+
+
+def top_k_top_p_mask(
+    z_BV: torch.Tensor, z_max_B1: torch.Tensor, top_k_B: torch.Tensor, top_p_B: torch.Tensor
+) -> torch.Tensor:
+    """The tokens HF's top-k and then top-p keep (top_k 0 and top_p 1.0: all), found without
+    sorting the vocabulary: radix selects of a threshold, 4 passes each (FlashInfer's sampling
+    kernels avoid the sort too). Ties at a threshold are kept, as HF keeps them for top-k."""
+    B, V = z_BV.shape
+    key_BV = sortable_key(z_BV)
+    top_k_target_B = torch.where((top_k_B > 0) & (top_k_B < V), top_k_B, V)
+    top_k_key_B = radix_select(key_BV, torch.ones_like(key_BV), top_k_target_B)
+    keep_BV = key_BV >= top_k_key_B[:, None]
+    # top-p over the top-k tokens' probabilities, in fixed point so that the masses add up exactly
+    # (integer atomics: the same threshold whatever order the GPU adds them in)
+    mass_BV = torch.where(keep_BV, torch.exp(z_BV - z_max_B1) * 2.0**40, 0.0).to(torch.int64)
+    top_p_target_B = (top_p_B.double() * mass_BV.sum(-1).double()).ceil().to(torch.int64)
+    top_p_key_B = torch.where(top_p_B < 1, radix_select(key_BV, mass_BV, top_p_target_B), 0)
+    return keep_BV & (key_BV >= top_p_key_B[:, None])
+
+
+def sortable_key(x: torch.Tensor) -> torch.Tensor:
+    """float32 -> int64 in [0, 2**32) with the same order (-inf lowest): the bits, with the
+    magnitude bits of negative numbers flipped, offset to be non-negative."""
+    bits = x.float().view(torch.int32).to(torch.int64)
+    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits) + 2**31
+
+
+def radix_select(key_BV: torch.Tensor, weight_BV: torch.Tensor, target_B: torch.Tensor) -> torch.Tensor:
+    """Per row, the largest key t with sum(weight where key >= t) >= target, one byte of t per
+    pass from the top: a histogram of the weights of the keys that match the bytes found so far.
+    key_BV: int64 in [0, 2**32); weight_BV: int64 >= 0; target_B: int64."""
+    B = key_BV.shape[0]
+    bins_256 = torch.arange(256, device=key_BV.device)
+    prefix_B = torch.zeros(B, dtype=torch.int64, device=key_BV.device)
+    weight_above_B = torch.zeros_like(prefix_B)  # weight of the keys above the prefix found so far
+    for shift in (24, 16, 8, 0):
+        is_candidate_BV = (key_BV >> (shift + 8)) == prefix_B[:, None]
+        byte_BV = (key_BV >> shift) & 255
+        hist_B256 = torch.zeros(B, 256, dtype=torch.int64, device=key_BV.device)
+        hist_B256 = hist_B256.scatter_add(1, byte_BV, torch.where(is_candidate_BV, weight_BV, 0))
+        at_or_above_B256 = hist_B256.flip(1).cumsum(1).flip(1)
+        is_enough_B256 = weight_above_B[:, None] + at_or_above_B256 >= target_B[:, None]
+        byte_B = torch.where(is_enough_B256, bins_256, 0).amax(1)  # the highest byte still reaching the target
+        weight_above_B = weight_above_B + (at_or_above_B256 - hist_B256).gather(1, byte_B[:, None]).squeeze(1)
+        prefix_B = prefix_B * 256 + byte_B
+    return prefix_B
+
+
+def sampling_noise(seed_B: torch.Tensor, position_B: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Gumbel noise [B, V] from a counter-based hash of (seed, position, token id): the same
+    numbers for the same triple on any device, batch or step."""
+    low, high = seed_B & 0xFFFFFFFF, (seed_B >> 32) & 0xFFFFFFFF
+    key_B = mix32(mix32(mix32(low) ^ high) ^ (position_B & 0xFFFFFFFF))
+    token_V = torch.arange(vocab_size, device=seed_B.device)
+    bits_BV = mix32(mix32(key_B[:, None] ^ token_V))
+    uniform_BV = ((bits_BV >> 8).float() + 0.5) * 2.0**-24  # 24 random bits, in (0, 1)
+    return -torch.log(-torch.log(uniform_BV))
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (x: int64 in [0, 2**32)); products stay below 2**59, so int64 never overflows."""
+    x = ((x >> 16) ^ x) * 0x45D9F3B & 0xFFFFFFFF
+    x = ((x >> 16) ^ x) * 0x45D9F3B & 0xFFFFFFFF
+    return (x >> 16) ^ x
 
 
 # ---------------------------------------------------------------------------------------------

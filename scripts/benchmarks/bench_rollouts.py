@@ -161,7 +161,7 @@ def run_engine(model, prompts, new_tokens, use_graph, **options):
         "wall_s": wall_s,
         "tokens": sum(len(s.output_ids) for s in sequences),
         "capture_s": timings.get("capture_s", float("nan")),
-        "capture_s_per_bucket": timings.get("capture_s_per_bucket", {}),
+        "capture_s_per_graph": timings.get("capture_s_per_graph", {}),
     }
     return result, engine
 

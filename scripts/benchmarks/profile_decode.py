@@ -120,7 +120,7 @@ def main() -> int:
         bucket = next(b for b in engine.runner.buckets if b >= batch_size)
         engine.capture_cuda_graphs([bucket])
         capture_s = time.perf_counter() - start
-        graph, _, _ = engine.runner.cuda_graphs[bucket]
+        graph = engine.runner.cuda_graphs[bucket, "greedy"][0]
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         graph.replay()
         torch.cuda.synchronize()
