@@ -152,6 +152,7 @@ class Sequence:
     batch_idx: int = -1  # batch slot while it holds pages, -1 otherwise
     num_preemptions: int = 0
     seed: int = 0  # the seed of this run's draws (sampling.seed, or one from the engine's)
+    shares_prompt_with: Sequence | None = None  # rollouts: the group's first completion, prefilled for all
     end_ids: frozenset = frozenset()  # the token ids that finish it in this run
 
     @property
@@ -314,7 +315,10 @@ class FlexInference:
             text = prompt if isinstance(prompt, str) else None
             seeds = [base_seed + i * params.n + j for j in range(params.n)]
             samplings = [dataclasses.replace(params, n=1, seed=seed) for seed in seeds]
-            groups.append([Sequence(text=text, input_ids=input_ids, sampling=sampling) for sampling in samplings])
+            group = [Sequence(text=text, input_ids=input_ids, sampling=sampling) for sampling in samplings]
+            for seq in group[1:]:  # prefilled once, for all n
+                seq.shares_prompt_with = group[0]
+            groups.append(group)
         self.generate([seq for group in groups for seq in group], capture_cudagraph, progress)
         return groups
 
@@ -332,16 +336,24 @@ class FlexInference:
         prefill_s = decode_s = 0.0
         while not scheduler.is_done:
             if launch is None:
-                admitted = scheduler.admit(scheduler.max_prefill_tokens)
+                admitted, forks = scheduler.admit(scheduler.max_prefill_tokens)
                 if admitted:
                     start = time.perf_counter()
-                    next_ids, logprobs, logits_NV = runner.prefill(admitted)
+                    logits_NV = runner.prefill(admitted)
+                    rows = admitted + [fork for fork, _ in forks]
+                    if forks:  # a fork's first token comes from its prompt's last logits
+                        runner.copy_partial_pages(forks)
+                        source_rows = [
+                            next(i for i, seq in enumerate(admitted) if seq is source) for _, source in forks
+                        ]
+                        logits_NV = torch.cat([logits_NV, logits_NV[source_rows]])
+                    next_ids, logprobs = runner.sample(logits_NV, rows)  # the one device->host sync of a prefill
                     prefill_s += time.perf_counter() - start
                     num_prefill_tokens += sum(seq.seq_len for seq in admitted)
-                    for i, seq in enumerate(admitted):
+                    for i, seq in enumerate(rows):
                         self._append(seq, next_ids[i], None if logprobs is None else logprobs[i], logits_NV[i])
-                    scheduler.run(admitted)
-                    bar.update(len(admitted))
+                    scheduler.run(rows)
+                    bar.update(len(rows))
                 scheduler.retire()
                 scheduler.reserve_or_preempt()
                 if not scheduler.running:  # all finished, or the only sequence gave its pages back
@@ -400,7 +412,7 @@ class FlexInference:
         try:
             with compile_settings():
                 while self.scheduler.waiting:
-                    batch = self.scheduler.admit()
+                    batch, _ = self.scheduler.admit()
                     if not batch:
                         raise FlexInferenceError(
                             f"a sequence of {self.scheduler.waiting[0].seq_len} tokens does not fit the page pool"
@@ -536,20 +548,46 @@ class Scheduler:
         """Whether `seq` could start now: a free batch slot, and room for its tokens in every pool."""
         return self.slots.can_allocate() and self.can_hold(seq)
 
-    def admit(self, max_tokens: int | None = None) -> list[Sequence]:
-        """Takes waiting sequences in order while they can start (and their tokens, all together,
-        stay within `max_tokens`); each gets a batch slot and pages for its tokens."""
-        admitted, num_tokens = [], 0
-        while self.waiting and self.can_admit(self.waiting[0]):
-            if max_tokens is not None and num_tokens + self.waiting[0].seq_len > max_tokens:
+    def admit(self, max_tokens: int | None = None) -> tuple[list[Sequence], list[tuple[Sequence, Sequence]]]:
+        """Takes waiting sequences in order while they can start (and the tokens to prefill, all
+        together, stay within `max_tokens`); each gets a batch slot and pages for its tokens.
+
+        Returns the sequences to prefill, and the forks: (sequence, its prompt's source), where a
+        fresh sequence whose `shares_prompt_with` was admitted fresh just before it shares that
+        one's full prompt pages instead of being prefilled (its partial last page is the runner's
+        to copy).
+        """
+        admitted, forks, num_tokens = [], [], 0
+        while self.waiting:
+            seq = self.waiting[0]
+            source = seq.shares_prompt_with
+            is_fork = any(source is other for other in admitted) and not source.output_ids and not seq.output_ids
+            if is_fork and self.can_fork(seq):
+                self._take_slot(self.waiting.popleft())
+                for table in self.page_tables.values():
+                    table.share(source.batch_idx, seq.batch_idx, seq.seq_len // self.page_size)
+                self.hold(seq, seq.seq_len)
+                forks.append((seq, source))
+                continue
+            if not self.can_admit(seq) or (max_tokens is not None and num_tokens + seq.seq_len > max_tokens):
                 break
-            seq = self.waiting.popleft()
-            seq.batch_idx = self.slots.allocate()
-            self.holders[seq.batch_idx] = seq
+            self._take_slot(self.waiting.popleft())
             self.hold(seq, seq.seq_len)
             admitted.append(seq)
             num_tokens += seq.seq_len
-        return admitted
+        return admitted, forks
+
+    def can_fork(self, seq: Sequence) -> bool:
+        """Whether `seq` could start sharing its prompt's full pages: a free batch slot, and in every
+        pool a page for its partial last block."""
+        has_partial_block = seq.seq_len % self.page_size != 0
+        return self.slots.can_allocate() and all(
+            table.num_free_pages >= has_partial_block for table in self.page_tables.values()
+        )
+
+    def _take_slot(self, seq: Sequence) -> None:
+        seq.batch_idx = self.slots.allocate()
+        self.holders[seq.batch_idx] = seq
 
     def run(self, sequences: list[Sequence]) -> None:
         """Admitted sequences join the decode batch once their prompt is prefilled."""
@@ -693,6 +731,9 @@ class PageTable:
         self.physical_to_logical = self.physical_to_logical_cpu.to(self.device)
         mark_compile_shapes("static", self.logical_to_physical, self.physical_to_logical)
         self.free_pages = deque(range(1, n_pages))
+        # num_holders[physical_page_idx]: how many slots hold the page (n completions share their
+        # prompt's pages); it returns to the pool when the last one lets go
+        self.num_holders = [0] * n_pages
         # physical page of each logical block of each slot, in logical order; None once trimmed
         self.pages_of: list[list[int | None]] = [[] for _ in range(num_slots)]
         self.is_dirty = False
@@ -703,7 +744,7 @@ class PageTable:
 
     @property
     def num_used_pages(self) -> int:
-        return sum(page is not None for pages in self.pages_of for page in pages)
+        return self.n_pages - 1 - len(self.free_pages)
 
     @property
     def capacity(self) -> list[int]:
@@ -726,7 +767,8 @@ class PageTable:
         recyclable = 0
         if batch_idx is not None:
             recyclable = sum(
-                page is not None for page in self.pages_of[batch_idx][: first_needed_pos // self.page_size]
+                page is not None and self.num_holders[page] == 1
+                for page in self.pages_of[batch_idx][: first_needed_pos // self.page_size]
             )
         return self.pages_needed(batch_idx, seq_len, first_needed_pos) <= len(self.free_pages) + recyclable
 
@@ -741,26 +783,42 @@ class PageTable:
             if (logical_block_idx + 1) * self.page_size <= first_needed_pos:
                 pages.append(None)  # already out of the window: never stored
                 continue
-            physical_page_idx = self.free_pages.popleft()
-            self.logical_to_physical_cpu[batch_idx, logical_block_idx] = physical_page_idx
-            self.physical_to_logical_cpu[batch_idx, physical_page_idx] = logical_block_idx
-            pages.append(physical_page_idx)
-            self.is_dirty = True
+            self._hold_page(batch_idx, logical_block_idx, self.free_pages.popleft())
+
+    def share(self, src_batch_idx: int, dst_batch_idx: int, num_blocks: int) -> None:
+        """Slot `dst_batch_idx` (holding nothing yet) takes slot `src_batch_idx`'s first `num_blocks`
+        logical blocks, on the same physical pages."""
+        for physical_page_idx in self.pages_of[src_batch_idx][:num_blocks]:
+            if physical_page_idx is None:
+                self.pages_of[dst_batch_idx].append(None)
+            else:
+                self._hold_page(dst_batch_idx, len(self.pages_of[dst_batch_idx]), physical_page_idx)
+
+    def _hold_page(self, batch_idx: int, logical_block_idx: int, physical_page_idx: int) -> None:
+        """Slot `batch_idx`'s next logical block `logical_block_idx` is held on `physical_page_idx`."""
+        self.logical_to_physical_cpu[batch_idx, logical_block_idx] = physical_page_idx
+        self.physical_to_logical_cpu[batch_idx, physical_page_idx] = logical_block_idx
+        self.pages_of[batch_idx].append(physical_page_idx)
+        self.num_holders[physical_page_idx] += 1
+        self.is_dirty = True
 
     def trim(self, batch_idx: int, first_needed_pos: int) -> None:
-        """Recycles the pages of slot `batch_idx`'s blocks that end before `first_needed_pos`."""
+        """Lets go of slot `batch_idx`'s blocks that end before `first_needed_pos`; a page goes
+        back to the pool when its last holder lets go."""
         pages = self.pages_of[batch_idx]
         for logical_block_idx in range(min(first_needed_pos // self.page_size, len(pages))):
             physical_page_idx = pages[logical_block_idx]
             if physical_page_idx is not None:
                 self.physical_to_logical_cpu[batch_idx, physical_page_idx] = -1
                 self.logical_to_physical_cpu[batch_idx, logical_block_idx] = 0
-                self.free_pages.append(physical_page_idx)
+                self.num_holders[physical_page_idx] -= 1
+                if self.num_holders[physical_page_idx] == 0:
+                    self.free_pages.append(physical_page_idx)
                 pages[logical_block_idx] = None
                 self.is_dirty = True
 
     def erase(self, batch_idx: int) -> None:
-        """Returns all of slot `batch_idx`'s pages to the pool."""
+        """Lets go of all of slot `batch_idx`'s pages."""
         self.trim(batch_idx, len(self.pages_of[batch_idx]) * self.page_size)
         self.pages_of[batch_idx] = []
 
@@ -843,6 +901,8 @@ class ModelRunner:
         self.device = next(causal_lm.parameters()).device
         self.dtype = self.decoder.embed_tokens.weight.dtype
         self.kv_caches = self.build_kv_caches()
+        # each layer's attention regime: the pool its cache's pages come from
+        self.cache_regimes = [getattr(attn, "layer_type", FULL_ATTENTION) for attn in self.attention_layers()]
         head_dims = sorted({attn.head_dim for attn in self.attention_layers()})
         cache_head_dims = {cache.k_cache.shape[-1] for cache in self.kv_caches if cache is not None}
         self.fa4_prefill = resolve_fa4_prefill(fa4_prefill, cache_head_dims, self.device)
@@ -1011,23 +1071,48 @@ class ModelRunner:
         )
         return inputs_RT[0:1], inputs_RT[1:2], step
 
-    def prefill(self, sequences: list[Sequence]) -> tuple[list[int], list[float] | None, torch.Tensor]:
-        """Runs the admitted `sequences` in one packed row, writing their K/V; returns each one's
-        next token, its log-prob (None when no row samples or records them) and the logits at each
-        sequence's last position [N, V]."""
+    def prefill(self, sequences: list[Sequence]) -> torch.Tensor:
+        """Runs the admitted `sequences` in one packed row, writing their K/V; returns the logits
+        at each one's last position [N, V]."""
         input_ids_1T, position_ids_1T, step = self.pack(sequences)
         last_positions_N = torch.tensor(sequences_last_positions(sequences), device=self.device)
-        logits_NV = self.logits(self.prefill_hidden(input_ids_1T, position_ids_1T, step, last_positions_N)[0])
+        return self.logits(self.prefill_hidden(input_ids_1T, position_ids_1T, step, last_positions_N)[0])
+
+    def sample(self, logits_NV: torch.Tensor, sequences: list[Sequence]) -> tuple[list[int], list[float] | None]:
+        """Each sequence's next token from its logits row, and its log-prob (None when no row
+        samples or records them), copied to the host in one go."""
         mode = sampling_mode(sequences)
         if mode == GREEDY_MODE:
-            return logits_NV.argmax(-1).tolist(), None, logits_NV  # the one device->host sync of this prefill
+            return logits_NV.argmax(-1).tolist(), None
         float_params_N3, int_params_N2 = sampling_inputs(sequences, len(sequences))
         position_N = torch.tensor([seq.seq_len for seq in sequences])
         tokens_N, logprobs_N = sample_tokens(
             logits_NV, *(t.to(self.device) for t in (float_params_N3, int_params_N2, position_N)), mode == FILTERED_MODE
         )
-        samples_2N = torch.stack([tokens_N.double(), logprobs_N.double()]).cpu()  # the one device->host sync
-        return samples_2N[0].long().tolist(), samples_2N[1].tolist(), logits_NV
+        samples_2N = torch.stack([tokens_N.double(), logprobs_N.double()]).cpu()
+        return samples_2N[0].long().tolist(), samples_2N[1].tolist()
+
+    def copy_partial_pages(self, forks: list[tuple[Sequence, Sequence]]) -> None:
+        """Each fork's partial last prompt page gets the K/V its source's holds, in every cache
+        (the full pages are shared; the partial one is the fork's own, as it writes there next)."""
+        for regime, table in self.page_tables.items():
+            src_rows, dst_rows = [], []
+            for seq, source in forks:
+                last_block = seq.seq_len // self.page_size
+                if seq.seq_len % self.page_size:
+                    src_page, dst_page = (
+                        table.pages_of[source.batch_idx][last_block],
+                        table.pages_of[seq.batch_idx][last_block],
+                    )
+                    src_rows += range(src_page * self.page_size, (src_page + 1) * self.page_size)
+                    dst_rows += range(dst_page * self.page_size, (dst_page + 1) * self.page_size)
+            if not src_rows:
+                continue
+            src_rows, dst_rows = torch.tensor(src_rows, device=self.device), torch.tensor(dst_rows, device=self.device)
+            for cache, cache_regime in zip(self.kv_caches, self.cache_regimes):
+                if cache is not None and cache_regime == regime:
+                    cache.k_cache[:, :, dst_rows] = cache.k_cache[:, :, src_rows]
+                    cache.v_cache[:, :, dst_rows] = cache.v_cache[:, :, src_rows]
 
     def score(self, sequences: list[Sequence]) -> torch.Tensor:
         """Teacher-forced logits [T, V] of the packed row of `sequences` (padding included)."""

@@ -5,6 +5,7 @@ a decode step is one token appended to `output_ids`, and a sequence finishes whe
 import random
 
 import pytest
+import torch
 
 from qwen3_flex_inference import BatchSlots, PageTable, Scheduler, Sequence, pool_pages
 
@@ -14,6 +15,13 @@ PAGE_SIZE = 16
 WINDOW = 24
 FULL_ONLY = {FULL: None}
 FULL_AND_SLIDING = {FULL: None, SLIDING: WINDOW}
+
+
+def admit(scheduler, max_tokens=None):
+    """Scheduler.admit for sequences that share no prompt: the admitted ones (there are no forks)."""
+    admitted, forks = scheduler.admit(max_tokens)
+    assert forks == [], f"{forks=}"
+    return admitted
 
 
 def make_scheduler(
@@ -119,12 +127,12 @@ def test_admit_takes_waiting_in_order_and_stops_at_the_first_that_does_not_fit()
     scheduler = make_scheduler(max_batch_size=3, n_pages=10)  # 9 usable pages
     first, too_big, small = make_seq(20), make_seq(120), make_seq(5)  # 2, 8, 1 pages
     scheduler.add([first, too_big, small])
-    admitted = scheduler.admit()
+    admitted = admit(scheduler)
     assert admitted == [first], f"{[s.seq_len for s in admitted]=}"
     waiting = [s.seq_len for s in scheduler.waiting]
     assert waiting == [120, 5], f"no skipping ahead: {waiting=}"
     assert small.batch_idx == -1 and too_big.batch_idx == -1, f"{small.batch_idx=} {too_big.batch_idx=}"
-    again = scheduler.admit()
+    again = admit(scheduler)
     assert again == [], f"the head still does not fit: {[s.seq_len for s in again]=}"
 
 
@@ -132,7 +140,7 @@ def test_admit_stops_when_no_batch_slot_is_free():
     scheduler = make_scheduler(max_batch_size=3, n_pages=40)
     seqs = [make_seq(5) for _ in range(5)]
     scheduler.add(seqs)
-    admitted = scheduler.admit()
+    admitted = admit(scheduler)
     assert admitted == seqs[:3], f"{len(admitted)=}"
     assert list(scheduler.waiting) == seqs[3:], f"{len(scheduler.waiting)=}"
     assert scheduler.slots.num_free == 0, f"{scheduler.slots.num_free=}"
@@ -143,7 +151,7 @@ def test_admit_keeps_the_admitted_tokens_within_max_tokens(max_tokens, want_admi
     scheduler = make_scheduler(max_batch_size=4, n_pages=20)
     seqs = [make_seq(10) for _ in range(3)]
     scheduler.add(seqs)
-    admitted = scheduler.admit(max_tokens)
+    admitted = admit(scheduler, max_tokens)
     got = len(admitted)
     assert got == want_admitted, f"{max_tokens=}: {got=} {want_admitted=}"
     assert admitted == seqs[:got], "admitted out of order"
@@ -155,7 +163,7 @@ def test_admit_gives_distinct_nonzero_slots_and_pages_covering_the_tokens():
     scheduler = make_scheduler(max_batch_size=3, n_pages=20, windows=FULL_AND_SLIDING)
     seqs = [make_seq(n) for n in (1, 16, 17, 40)]
     scheduler.add(seqs)
-    admitted = scheduler.admit()
+    admitted = admit(scheduler)
     assert admitted == seqs[:3], f"{len(admitted)=}"
     slots = [s.batch_idx for s in admitted]
     assert len(set(slots)) == 3 and 0 not in slots, f"{slots=}"
@@ -177,13 +185,13 @@ def test_admit_gives_distinct_nonzero_slots_and_pages_covering_the_tokens():
 def test_can_admit_is_false_without_a_free_slot():
     scheduler = make_scheduler(max_batch_size=2, n_pages=40)
     scheduler.add([make_seq(5), make_seq(5)])
-    assert len(scheduler.admit()) == 2
+    assert len(admit(scheduler)) == 2
     newcomer = make_seq(1)
     free_pages = scheduler.page_tables[FULL].num_free_pages
     assert free_pages > 0, f"{free_pages=}: the pool has room, only the slots are taken"
     assert not scheduler.can_admit(newcomer), f"{scheduler.slots.num_free=}"
     scheduler.add([newcomer])
-    assert scheduler.admit() == [], "admit took a sequence without a free slot"
+    assert admit(scheduler) == [], "admit took a sequence without a free slot"
 
 
 @pytest.mark.parametrize("short_regime", [FULL, SLIDING])
@@ -193,7 +201,7 @@ def test_can_admit_is_false_when_any_pool_lacks_pages(short_regime):
     two_pages = make_seq(20)  # inside the window, so it needs 2 pages in both pools
     assert not scheduler.can_admit(two_pages), f"{short_regime} pool has 1 free page, the sequence needs 2"
     scheduler.add([two_pages])
-    assert scheduler.admit() == [], f"admit took a sequence the {short_regime} pool cannot hold"
+    assert admit(scheduler) == [], f"admit took a sequence the {short_regime} pool cannot hold"
 
 
 def test_can_admit_is_true_with_a_free_slot_and_room_in_every_pool():
@@ -201,7 +209,7 @@ def test_can_admit_is_true_with_a_free_slot_and_room_in_every_pool():
     seq = make_seq(32)  # exactly the 2 usable pages of each pool
     assert scheduler.can_admit(seq), f"{seq.seq_len=} should fit 2 free pages per pool"
     scheduler.add([seq])
-    assert scheduler.admit() == [seq]
+    assert admit(scheduler) == [seq]
     assert not scheduler.can_admit(make_seq(1)), "a slot is free, but no pool has a page left"
 
 
@@ -214,7 +222,7 @@ def test_reserve_or_preempt_preempts_the_newest_to_the_front_of_waiting_when_the
     scheduler = make_scheduler(max_batch_size=3, n_pages=7)  # 6 usable pages
     a, b, c, d = (make_seq(16) for _ in range(4))
     scheduler.add([a, b, c, d])
-    admitted = scheduler.admit()
+    admitted = admit(scheduler)
     assert admitted == [a, b, c], f"{len(admitted)=}"
     for seq in admitted:
         grow(seq)  # the prefill's token: seq_len 17 needs a second page
@@ -262,7 +270,7 @@ def test_reserve_or_preempt_preempts_the_sequence_itself_when_it_is_the_newest()
     scheduler = make_scheduler(max_batch_size=2, n_pages=4)  # 3 usable pages
     old, new = make_seq(10), make_seq(16)
     scheduler.add([old, new])
-    assert scheduler.admit() == [old, new]
+    assert admit(scheduler) == [old, new]
     scheduler.run([old, new])
     grow(old)
     grow(new, 17)  # seq_len 33 needs 3 pages; old holds 1 of 3
@@ -278,7 +286,7 @@ def test_pages_fit_skips_the_reserve_inside_the_pages_and_reserves_across_a_page
     scheduler = make_scheduler(max_batch_size=1, n_pages=10)
     seq = make_seq(10)
     scheduler.add([seq])
-    scheduler.admit()
+    admit(scheduler)
     slot, full = seq.batch_idx, scheduler.page_tables[FULL]
     assert scheduler.holds_until[slot] == PAGE_SIZE, f"{scheduler.holds_until[slot]=}"
     fits = [pos for pos in range(10, 40) if scheduler.pages_fit(seq, pos)]
@@ -328,7 +336,7 @@ def test_sliding_pool_holds_only_the_window_while_the_full_pool_holds_every_toke
     assert sliding.n_pages < full.n_pages, f"{sliding.n_pages=} {full.n_pages=}"
     seqs = [make_seq(5), make_seq(40)]
     scheduler.add(seqs)
-    assert scheduler.admit() == seqs
+    assert admit(scheduler) == seqs
     for seq in seqs:
         check_covers(scheduler, seq, seq.seq_len)
         grow(seq)
@@ -364,7 +372,7 @@ def test_retire_releases_finished_sequences_and_keeps_the_others_in_order():
     scheduler = make_scheduler(max_batch_size=4, n_pages=20, windows=FULL_AND_SLIDING)
     seqs = [make_seq(n) for n in (5, 20, 40, 7)]
     scheduler.add(seqs)
-    assert scheduler.admit() == seqs
+    assert admit(scheduler) == seqs
     for seq in seqs:
         grow(seq)
     scheduler.run(seqs)
@@ -401,7 +409,7 @@ def chain_setup(max_batch_size=2, n_pages=5, max_seq_length=64):
     scheduler = make_scheduler(max_batch_size, max_seq_length, n_pages)
     seq = make_seq(10)
     scheduler.add([seq])
-    scheduler.admit()
+    admit(scheduler)
     grow(seq)
     scheduler.run([seq])
     scheduler.reserve_or_preempt()
@@ -415,7 +423,7 @@ def grow_to(scheduler: Scheduler, seq: Sequence, seq_len: int) -> None:
 
 def add_running(scheduler: Scheduler, seq: Sequence) -> None:
     scheduler.add([seq])
-    assert scheduler.admit() == [seq]
+    assert admit(scheduler) == [seq]
     grow(seq)
     scheduler.run([seq])
     scheduler.reserve_or_preempt()
@@ -472,7 +480,7 @@ def test_abort_gives_back_every_slot_and_page_including_admitted_but_not_run():
     scheduler = make_scheduler(max_batch_size, n_pages=20, windows=FULL_AND_SLIDING)
     seqs = [make_seq(n) for n in (30, 50, 12, 9)]
     scheduler.add(seqs)
-    admitted = scheduler.admit()
+    admitted = admit(scheduler)
     assert admitted == seqs[:3]
     running, pending = admitted[:2], admitted[2]
     for seq in running:
@@ -533,7 +541,7 @@ def test_random_admit_grow_preempt_retire_keeps_every_invariant(windows):
             k = rng.randint(1, 4)
             scheduler.add(pending[:k])
             del pending[:k]
-        admitted = scheduler.admit(rng.choice([None, 64, 128]))
+        admitted = admit(scheduler, rng.choice([None, 64, 128]))
         for seq in admitted:
             check_covers(scheduler, seq, seq.seq_len)
             append(seq)  # the prefill's token
@@ -562,3 +570,62 @@ def test_batch_slots_never_hand_out_slot_zero():
     slots = BatchSlots(4)
     got = [slots.allocate() for _ in range(3)]
     assert sorted(got) == [1, 2, 3] and not slots.can_allocate(), f"{got=}"
+
+
+def make_group(num_tokens: int, n: int) -> list[Sequence]:
+    """n completions of one prompt, as rollouts makes them: the first is prefilled for all."""
+    group = [make_seq(num_tokens) for _ in range(n)]
+    for seq in group[1:]:
+        seq.shares_prompt_with = group[0]
+    return group
+
+
+def test_forks_share_the_full_prompt_pages_and_each_holds_its_partial_page():
+    scheduler = make_scheduler(max_batch_size=4, n_pages=20)
+    table = scheduler.page_tables["full_attention"]
+    group = make_group(37, 3)  # 2 full pages of 16 and a partial one
+    scheduler.add(group)
+    admitted, forks = scheduler.admit()
+    assert admitted == [group[0]] and [(f, s) for f, s in forks] == [(group[1], group[0]), (group[2], group[0])]
+    pages = [table.pages_of[seq.batch_idx] for seq in group]
+    assert pages[1][:2] == pages[2][:2] == pages[0][:2], f"{pages=}"
+    assert len({p[2] for p in pages}) == 3, f"the partial pages are shared: {pages=}"
+    assert table.num_used_pages == 3 + 1 + 1, f"{table.num_used_pages=} (separate prompts would hold 9)"
+    assert [table.num_holders[page] for page in pages[0]] == [3, 3, 1]
+
+
+def test_a_released_sharer_leaves_the_others_pages_and_the_last_one_frees_them():
+    scheduler = make_scheduler(max_batch_size=4, n_pages=20)
+    table = scheduler.page_tables["full_attention"]
+    group = make_group(40, 3)
+    scheduler.add(group)
+    scheduler.run([seq for seq in admit_all(scheduler)])
+    leader_pages = list(table.pages_of[group[0].batch_idx])
+    fork_rows = {seq.batch_idx: table.logical_to_physical_cpu[seq.batch_idx].clone() for seq in group[1:]}
+    scheduler.release(group[0])  # e.g. preempted
+    for seq in group[1:]:
+        assert torch.equal(table.logical_to_physical_cpu[seq.batch_idx], fork_rows[seq.batch_idx])
+    assert not set(leader_pages[:2]) & set(table.free_pages), "a page still shared went back to the pool"
+    assert leader_pages[2] in table.free_pages, "the leader's own partial page was not freed"
+    for seq in group[1:]:
+        scheduler.release(seq)
+    assert table.num_free_pages == table.n_pages - 1 and table.num_used_pages == 0
+
+
+def test_a_follower_whose_source_already_decoded_is_prefilled_on_its_own():
+    scheduler = make_scheduler(max_batch_size=1, n_pages=20)  # one slot: the follower waits
+    group = make_group(20, 2)
+    scheduler.add(group)
+    assert admit_all(scheduler) == [group[0]]
+    grow(group[0])
+    group[0].finished = True
+    scheduler.run([group[0]])
+    scheduler.retire()
+    admitted, forks = scheduler.admit()
+    assert admitted == [group[1]] and forks == [], f"{admitted=} {forks=}"
+
+
+def admit_all(scheduler) -> list[Sequence]:
+    """The admitted sequences and the forks, in admission order."""
+    admitted, forks = scheduler.admit()
+    return admitted + [fork for fork, _ in forks]
