@@ -306,19 +306,15 @@ class FlexInference:
         engine's seed): prompt 0's completions use s, ..., s + n - 1, and no two completions share
         their noise.
         """
-        base_seed = params.seed if params.seed is not None else self.seeds.getrandbits(61)
-        groups = []
-        for i, prompt in enumerate(prompts):
+        prompt_sequences = []
+        for prompt in prompts:
             if isinstance(prompt, str) and self.tokenizer is None:
                 raise FlexInferenceError("a text prompt needs a tokenizer")
-            input_ids = tokenize_prompt(self.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
-            text = prompt if isinstance(prompt, str) else None
-            seeds = [base_seed + i * params.n + j for j in range(params.n)]
-            samplings = [dataclasses.replace(params, n=1, seed=seed) for seed in seeds]
-            group = [Sequence(text=text, input_ids=input_ids, sampling=sampling) for sampling in samplings]
-            for seq in group[1:]:  # prefilled once, for all n
-                seq.shares_prompt_with = group[0]
-            groups.append(group)
+            is_text = isinstance(prompt, str)
+            input_ids = tokenize_prompt(self.tokenizer, prompt) if is_text else list(prompt)
+            prompt_sequences.append(Sequence(text=prompt if is_text else None, input_ids=input_ids))
+        base_seed = params.seed if params.seed is not None else self.seeds.getrandbits(61)
+        groups = completion_groups(prompt_sequences, params, base_seed)
         self.generate([seq for group in groups for seq in group], capture_cudagraph, progress)
         return groups
 
@@ -441,11 +437,60 @@ class FlexInference:
         """Re-merges the PEFT model's current adapter into the inference weights (in place)."""
         refresh_lora_merge_from_pristine(self.lora_targets, self.pristine_lora_weights, self.peft_model)
 
+    @torch.no_grad()
+    def load_weights(self, named_tensors) -> None:
+        """Weight sync for full fine-tuning: copies new values (name -> tensor pairs, or a dict)
+        into the inference weights in place, so captured CUDA graphs stay valid.
+
+        Names as the HF model's state dict has them; a PEFT wrapper's (`base_model.model.`,
+        `.base_layer`) and a multimodal Gemma-4's (`model.language_model.`) are understood. Fused
+        projections take the new rows (each projection's weight is a view of them), and tied
+        embeddings are one tensor. A LoRA target's pristine copy takes the new value and the adapter
+        is merged on top again.
+        """
+        weights = dict(self.causal_lm.named_parameters(remove_duplicate=False))
+        is_lora_changed = False
+        for name, tensor in named_tensors.items() if isinstance(named_tensors, dict) else named_tensors:
+            key = name.removeprefix("base_model.model.").replace("model.language_model.", "model.")
+            key = key if key in weights else key.replace(".weight", ".base_layer.weight")
+            if key not in weights:
+                raise FlexInferenceError(f"the model has no weight named {name}")
+            target = self.pristine_lora_weights.get(key.removesuffix(".base_layer.weight").removesuffix(".weight"))
+            if target is None:
+                target = weights[key]
+            else:
+                is_lora_changed = True
+            if tuple(tensor.shape) != tuple(target.shape) or not target.is_floating_point():
+                raise FlexInferenceError(
+                    f"{name} cannot take a {tuple(tensor.shape)} {tensor.dtype} tensor: "
+                    f"it is {tuple(target.shape)} {target.dtype}"
+                )
+            target.copy_(tensor)
+        if is_lora_changed:
+            self.refresh_lora()
+
 
 def _progress_bar(total: int, enabled: bool):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, disable=not enabled, unit="tok", dynamic_ncols=True, leave=False)
+
+
+def completion_groups(prompts: list[Sequence], params: SamplingParams, base_seed: int) -> list[list[Sequence]]:
+    """`params.n` completions of each prompt sequence, drawn as `params` says; completion j of prompt
+    i with seed base_seed + i * n + j. The first of each group is prefilled for all (the others
+    share its prompt's pages)."""
+    groups = []
+    for i, prompt in enumerate(prompts):
+        seeds = [base_seed + i * params.n + j for j in range(params.n)]
+        group = [
+            Sequence(text=prompt.text, input_ids=prompt.input_ids, sampling=dataclasses.replace(params, n=1, seed=seed))
+            for seed in seeds
+        ]
+        for seq in group[1:]:
+            seq.shares_prompt_with = group[0]
+        groups.append(group)
+    return groups
 
 
 def tokenize_prompt(tokenizer, text: str) -> list[int]:
@@ -2409,7 +2454,7 @@ def run_drift_verification(
 
 # What generate() fills in, sent from the rank that generated a sequence to every rank (input_ids
 # and max_new_tokens are set on every rank already: generate_shard prepares every sequence).
-GATHERED_FIELDS = ("output_ids", "finished", "finish_reason", "num_preemptions")
+GATHERED_FIELDS = ("output_ids", "output_logprobs", "finished", "finish_reason", "num_preemptions")
 
 
 def is_torchrun() -> bool:
@@ -2739,7 +2784,27 @@ def build_arg_parser(default_model_name: str, description: str) -> argparse.Argu
         default="auto",
         help="dummy: random weights built from the config alone (benchmarks)",
     )
-    p.add_argument("--seed", type=int, default=0, help="random seed (dummy weights, drift perturbations)")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="random seed (dummy weights, drift perturbations; sampling: completion j of prompt i "
+        "draws with seed + i * n + j)",
+    )
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument(
+        "--top_p",
+        type=float,
+        default=1.0,
+        help="nucleus sampling: the smallest set of tokens with this much probability (1.0: off)",
+    )
+    p.add_argument("--top_k", type=int, default=0, help="sample among the k most likely tokens (0: off)")
+    p.add_argument(
+        "--min_p", type=float, default=0.0, help="drop tokens less likely than min_p times the most likely (0.0: off)"
+    )
+    p.add_argument(
+        "--n", type=int, default=1, help="completions per prompt (the prompt is prefilled once and its pages shared)"
+    )
     p.add_argument("--trust_remote_code", action="store_true", help="allow code shipped inside the checkpoint to run")
     p.add_argument(
         "--allow_pickle_weights",
@@ -2803,6 +2868,9 @@ def run_rounds(args, engine_class, load_model, default_chat_template: str, load_
     the completions in input order, prints and writes the stats (totals and one entry per rank).
     """
     check_cli_args(args)
+    sampling = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, n=args.n, seed=args.seed
+    )
     decode_options = parse_json_dict(args.decode_kernel_options, "--decode_kernel_options")
     prefill_options = parse_json_dict(args.prefill_kernel_options, "--prefill_kernel_options")
     prompts = read_prompts(args.prompts_file, args.n_prompts)
@@ -2857,7 +2925,9 @@ def run_rounds(args, engine_class, load_model, default_chat_template: str, load_
     sequences: list[Sequence] = []
     shard: list[Sequence] = []  # this rank's block of sequences (all of them in a plain run)
     for _ in range(args.n_rounds):
-        sequences = make_sequences(prompts, tokenizer, chat_template, engine.config.vocab_size, args.seed)
+        prompt_sequences = make_sequences(prompts, tokenizer, chat_template, engine.config.vocab_size, args.seed)
+        groups = completion_groups(prompt_sequences, sampling, args.seed)
+        sequences = [seq for group in groups for seq in group]
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -2898,7 +2968,9 @@ def run_rounds(args, engine_class, load_model, default_chat_template: str, load_
         "capture_cudagraph": args.capture_cudagraph,
         "lora_adapter": args.lora_adapter,
         "lora_merged": peft_model is not None,
-        "n_prompts": len(sequences),
+        "n_prompts": len(prompts),
+        "n_completions": len(sequences),
+        "sampling": {name: getattr(sampling, name) for name in ("temperature", "top_p", "top_k", "min_p", "n", "seed")},
         "n_decoded_tokens": n_decoded,
         "wall_times_s": wall_times,
         "median_wall_s": statistics.median(wall_times),
@@ -3022,7 +3094,7 @@ def make_sequences(prompts, tokenizer, chat_template: str, vocab_size: int, seed
     sequences = []
     for prompt in prompts:
         text = format_prompt(tokenizer, prompt, chat_template)
-        sequences.append(Sequence(text=text, input_ids=tokenizer(text, add_special_tokens=False)["input_ids"]))
+        sequences.append(Sequence(text=text, input_ids=tokenize_prompt(tokenizer, text)))
     return sequences
 
 

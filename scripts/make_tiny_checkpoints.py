@@ -232,7 +232,9 @@ def _make_tokenizers(corpus: list[str]):
         bos_token="<bos>",
         eos_token="<eos>",
         pad_token="<pad>",
-        add_bos_token=False,  # bos comes only from the chat template
+        # like Gemma's own tokenizer: plain text gets <bos> in front; chat templates write it
+        # themselves (and apply_chat_template encodes without special tokens)
+        add_bos_token=True,
         add_eos_token=False,
         model_max_length=1024,
         chat_template=GEMMA_TEMPLATE,
@@ -247,12 +249,12 @@ def _make_tokenizers(corpus: list[str]):
             "eoa_token": "<end_of_audio>",
         },
     )
-    # Sanity: bos exactly once from the template, no automatic bos/eos in plain encoding.
+    # Sanity: bos exactly once from the template, and in front of plain text.
     ids = gemma.apply_chat_template(CHECK_MESSAGES, add_generation_prompt=True, tokenize=True)
     ids = _as_id_list(ids)
     bos = gemma.convert_tokens_to_ids("<bos>")
     assert ids[0] == bos and ids.count(bos) == 1, ids[:8]
-    assert bos not in gemma("hello")["input_ids"]
+    assert gemma("hello")["input_ids"][0] == bos and gemma("hello", add_special_tokens=False)["input_ids"][0] != bos
     assert _as_id_list(chatml.apply_chat_template(CHECK_MESSAGES, add_generation_prompt=True, tokenize=True))[0] == 1
     return chatml, gemma
 
