@@ -212,3 +212,49 @@ def test_float32_gemma4_at_head_dims_256_and_512_fits_its_kernel_options_and_mat
         sequences = engine.generate([Sequence(input_ids=ids) for ids in prompts], capture_cudagraph=use_graph)
         for i, (seq, w) in enumerate(zip(sequences, want)):
             assert seq.output_ids == w, f"{use_graph=} prompt {i}: {seq.output_ids=} {w=}"
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"compile_decode": True, "fuse_projections": True}], ids=["plain", "compiled_fused"]
+)
+def test_sampling_under_cuda_graphs_equals_eager_matches_hf_logprobs_and_load_weights_recaptures_nothing(
+    tiny_dir, options
+):
+    """Sampled rollouts (top-p, n completions on shared pages, log-probs) replayed from CUDA graphs
+    draw the eager tokens; their log-probs equal HF's; after load_weights the same graphs serve the
+    new weights (none is captured again) and the log-probs follow them."""
+    from qwen3_flex_inference import FlexInference, SamplingParams
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    path = tiny_dir / "qwen3"
+    engine = FlexInference(
+        load_hf(path).cuda(), None, max_batch_size=8, max_seq_length=256, n_pages=64, page_size=16,
+        max_new_tokens=MAX_NEW_TOKENS, **options,
+    )  # fmt: skip
+    prompts = random_prompts([5, 40, 23], engine.config.vocab_size, seed=61)
+    params = SamplingParams(temperature=0.9, top_p=0.9, n=3, seed=77, logprobs=True)
+
+    def rollouts(use_graph):
+        return [seq for group in engine.rollouts(prompts, params, capture_cudagraph=use_graph) for seq in group]
+
+    def check_logprobs(hf, sequences):
+        for seq in sequences:
+            with torch.no_grad():
+                logits = hf(torch.tensor([seq.token_ids], device="cuda")).logits[0, len(seq.input_ids) - 1 : -1]
+            want = torch.log_softmax(logits / 0.9, -1).gather(1, torch.tensor(seq.output_ids, device="cuda")[:, None])
+            err = (torch.tensor(seq.output_logprobs, device="cuda") - want.squeeze(1)).abs().max().item()
+            assert err < 1e-4, f"{options=} {err=}"
+
+    eager, graph = rollouts(False), rollouts(True)
+    assert [s.output_ids for s in graph] == [s.output_ids for s in eager], f"{options=}"
+    check_logprobs(load_hf(path).cuda(), graph)
+    graphs_before = dict(engine.runner.cuda_graphs)
+    new_weights = load_hf(path).cuda()
+    with torch.no_grad():
+        for param in new_weights.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    engine.load_weights(new_weights.state_dict().items())
+    after = rollouts(True)
+    assert engine.runner.cuda_graphs == graphs_before, "load_weights made the engine capture again"
+    assert [s.output_ids for s in after] != [s.output_ids for s in graph]
+    check_logprobs(new_weights, after)
