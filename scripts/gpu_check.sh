@@ -18,6 +18,8 @@
 # times measured on an H200):
 # rollouts:            this engine, CUDA graphs and compiled + fused step, with kernel profiles (~6 min)
 # rollouts_quick:      the compiled + fused step alone, batch 64 and 1, with kernel profiles (2 min)
+# sampling:            greedy, temperature-1 sampling with log-probs, and top-k 50 + top-p 0.9, batch 64 and 256
+# grpo:                32 prompts of 256 tokens x n = 8, lengths 64..1024, shared vs separate prompt pages, and HF generate(do_sample)
 # rollouts_rest:       its batch-8 row, batch 1 with cuBLAS for every GEMM, HF (dynamic cache, generate_batch) at 64 and 1 (5 min)
 # rollouts_ablation:   this engine, eager decode and the compiled step without fused projections (~7 min)
 # rollouts_qwen3:      the Qwen3-4B-shaped row, batch 64 (~4 min)
@@ -85,6 +87,12 @@ run() {  # run NAME CMD...: logs the command, its status and its time
       rollouts_quick)
         run rollouts_quick $PY -m scripts.benchmarks.bench_rollouts --batch_sizes 64 1 --systems engine_fused_compiled_graph \
           --profile --out "$OUT/rollouts_quick.json" ;;
+      sampling)
+        run rollouts_sampling $PY -m scripts.benchmarks.bench_rollouts --batch_sizes 64 256 \
+          --systems engine_fused_compiled_graph engine_fused_compiled_graph_sample engine_fused_compiled_graph_top_p \
+          --out "$OUT/rollouts_sampling.json" ;;
+      grpo)
+        run grpo $PY -m scripts.benchmarks.bench_grpo --out "$OUT/grpo.json" ;;
       rollouts_rest)
         run rollouts_b8 $PY -m scripts.benchmarks.bench_rollouts --batch_sizes 8 --systems engine_fused_compiled_graph --out "$OUT/rollouts_b8.json"
         run rollouts_cublas_b1 $PY -m scripts.benchmarks.bench_rollouts --batch_sizes 1 --systems engine_fused_compiled_graph_cublas \

@@ -25,14 +25,14 @@ from pathlib import Path
 
 import torch
 
-from qwen3_flex_inference import SKINNY_CHOICES, FlexInference, Sequence
+from qwen3_flex_inference import SKINNY_CHOICES, FlexInference, SamplingParams, Sequence
 from scripts.benchmarks.profile_decode import decode_kernel_table
 
 ROOT = Path(__file__).resolve().parents[2]
 
 SYSTEMS = [
     "engine_eager", "engine_graph", "engine_compiled_graph", "engine_fused_compiled_graph",
-    "engine_fused_compiled_graph_cublas",
+    "engine_fused_compiled_graph_cublas", "engine_fused_compiled_graph_sample", "engine_fused_compiled_graph_top_p",
     "hf_dynamic", "hf_static_compile", "hf_cb",
 ]  # fmt: skip
 
@@ -125,19 +125,28 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def run_engine(model, prompts, new_tokens, use_graph, **options):
+# The sampling systems: temperature 1 with log-probs; and with top-k and top-p on top.
+SAMPLING = {
+    "sample": SamplingParams(temperature=1.0, seed=0, logprobs=True),
+    "top_p": SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=0, logprobs=True),
+}
+
+
+def run_engine(model, prompts, new_tokens, use_graph, sampling=None, **options):
     """Warm-up round (compile, capture), then a timed round. Decode/prefill split from the engine."""
     device = model.device
     engine = make_engine(model, len(prompts), len(prompts[0]), new_tokens, **options)
+
+    def sequences():
+        return [Sequence(input_ids=p, max_new_tokens=new_tokens, sampling=sampling) for p in prompts]
+
     start = time.perf_counter()
-    engine.generate([Sequence(input_ids=p, max_new_tokens=new_tokens) for p in prompts], capture_cudagraph=use_graph)
+    engine.generate(sequences(), capture_cudagraph=use_graph)
     sync(device)
     warmup_s = time.perf_counter() - start
     sync(device)
     start = time.perf_counter()
-    sequences = engine.generate(
-        [Sequence(input_ids=p, max_new_tokens=new_tokens) for p in prompts], capture_cudagraph=use_graph
-    )
+    generated = engine.generate(sequences(), capture_cudagraph=use_graph)
     sync(device)
     wall_s = time.perf_counter() - start
     timings = dict(engine.timings)
@@ -159,7 +168,7 @@ def run_engine(model, prompts, new_tokens, use_graph, **options):
         "ttft_s": timings["prefill_s"],
         "warmup_s": warmup_s - wall_s,
         "wall_s": wall_s,
-        "tokens": sum(len(s.output_ids) for s in sequences),
+        "tokens": sum(len(s.output_ids) for s in generated),
         "capture_s": timings.get("capture_s", float("nan")),
         "capture_s_per_graph": timings.get("capture_s_per_graph", {}),
     }
@@ -286,7 +295,8 @@ def main() -> int:
                     fuse_projections="fused" in system,
                     skinny_gemms="cublas" not in system,
                 )
-                result, engine = run_engine(model, prompts, args.new_tokens, use_graph, **options)
+                sampling = next((params for name, params in SAMPLING.items() if system.endswith("_" + name)), None)
+                result, engine = run_engine(model, prompts, args.new_tokens, use_graph, sampling, **options)
                 if args.profile and device.type == "cuda":  # the same kernels as the graph replays
                     result["top_kernels"], result["kernel_classes"] = decode_kernel_table(
                         engine, prompts, num_steps=8, top=40
