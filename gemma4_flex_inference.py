@@ -36,6 +36,7 @@ from qwen3_flex_inference import (
     PagedKVCache,
     PageTable,
     PrefillStep,
+    SamplingParams,
     Sequence,
     apply_rotary,
     build_arg_parser,
@@ -58,6 +59,7 @@ __all__ = [
     "Gemma4ModelRunner",
     "PagedKVCache",
     "PageTable",
+    "SamplingParams",
     "Sequence",
     "flex_attention_compiled",
     "load_gemma4",
@@ -302,7 +304,9 @@ def load_gemma4_adapter(causal_lm: nn.Module, adapter_path: str):
 
 
 def main(argv=None) -> None:
-    args = build_arg_parser("unsloth/gemma-4-E2B-it", "Greedy rollouts for Gemma-4 on flex_attention.").parse_args(argv)
+    args = build_arg_parser(
+        "unsloth/gemma-4-E2B-it", "Rollouts (greedy or sampled) for Gemma-4 on flex_attention."
+    ).parse_args(argv)
     try:
         require_gemma4()
     except FlexInferenceError as error:

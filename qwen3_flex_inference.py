@@ -9,7 +9,7 @@ The file reads in the order a request travels:
    graph per batch bucket), queued as `DecodeLaunch`es whose tokens the engine reads back.
 4. Attention over the paged cache: each step's view for one layer (`PrefillStep`, `DecodeStep`),
    the paged KV cache, the block masks and the decode attention op.
-5. Tokens out: greedy tokens.
+5. Tokens out: greedy tokens, and sampling (temperature, top-k, top-p, min-p) with log-probs.
 6. Kernels: compiled flex_attention and its options, the compile-shape policy, skinny decode
    GEMMs, rotary.
 7. The model patches (Qwen3/Llama attention, fused projections), the LoRA double-copy and drift
@@ -20,7 +20,10 @@ the scheduler / model-runner split, the page table and turning a logical block m
 physical one; attention-gym's paged-attention example; gpt-fast for CUDA-graph decode; for the
 few-row GEMMs, split-K work decomposition (Hoque et al., "Accelerating a Triton Fused Kernel for
 W4A16 Quantized Inference with SplitK", 2024; here without atomics) and putting the weight on the
-MMA's wide side ("swap AB", as vLLM's small-batch CUTLASS GEMMs do). The reference for every
+MMA's wide side ("swap AB", as vLLM's small-batch CUTLASS GEMMs do); for sampling, the Gumbel-max
+trick with counter-based noise (as in Philox-style RNGs: the noise is a function of its
+coordinates) and threshold selection without a vocabulary sort, as FlashInfer's sampling kernels
+avoid one (here a radix select). The reference for every
 number this engine produces is Hugging Face transformers on the same weights.
 """
 
@@ -165,7 +168,7 @@ class Sequence:
 
 
 class FlexInference:
-    """Continuous-batching greedy generation with a paged KV cache and flex attention.
+    """Continuous-batching generation (greedy or sampled) with a paged KV cache and flex attention.
 
     `model` is a Hugging Face Qwen3/Llama causal LM (optionally inside a PEFT wrapper) on CUDA or
     CPU. The engine composes a `Scheduler` (who runs, on which pages; CPU bookkeeping) and a
@@ -2694,7 +2697,7 @@ GRPO_SYSTEM_PROMPT = (
 
 def main(argv=None) -> None:
     args = build_arg_parser(
-        "unsloth/Qwen3-4B-Base", "Greedy rollouts for Qwen3 / Llama-3.2 on flex_attention."
+        "unsloth/Qwen3-4B-Base", "Rollouts (greedy or sampled) for Qwen3 / Llama-3.2 on flex_attention."
     ).parse_args(argv)
     run_cli(args)
 
