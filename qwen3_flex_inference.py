@@ -1265,7 +1265,7 @@ class ModelRunner:
         B = len(rows)
         # Eager decode pads to the same buckets as the graphs: one compiled kernel per bucket.
         bucket = next(b for b in self.buckets if b >= B)
-        mode = sampling_mode(rows)
+        mode = sampling_mode(rows) if previous is None else previous.mode  # a chained step's rows are the same
         if previous is None:
             # Rows: last token, its position, batch slot; padding rows aim at the reserved slot 0.
             padding = [0] * (bucket - B)
@@ -1298,7 +1298,7 @@ class ModelRunner:
             is_done = torch.cuda.Event()
             is_done.record()
         logits_BV = logits[:B].clone() if any(seq.record_logits for seq in rows) else None
-        return DecodeLaunch(rows, next_ids, host_out, is_done, logits_BV)
+        return DecodeLaunch(rows, mode, next_ids, host_out, is_done, logits_BV)
 
     def capture_cuda_graphs(self, buckets: list[int] | None = None, modes=(GREEDY_MODE,)) -> dict[tuple, float]:
         """One graph per batch bucket (default: all) and sampling mode, largest first, all in one
@@ -1334,6 +1334,7 @@ class DecodeLaunch:
     """A decode step queued on the device; `read()` waits for its sampled tokens."""
 
     rows: list[Sequence]
+    mode: str  # sampling_mode of the rows
     next_ids: torch.Tensor  # [bucket] on the device
     # host buffer (pinned on CUDA) the step's output is copied into: tokens [B] (greedy), or
     # tokens and log-probs [2, B] as float64 (sampling)
