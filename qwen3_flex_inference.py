@@ -988,6 +988,10 @@ class ModelRunner:
         self.decode_layer = compile_region(call_layer)
         self.decode_epilogue = compile_region(self._decode_epilogue)
         self.decode_sampling_epilogue = compile_region(self._decode_sampling_epilogue)
+        # NOTE: a region of its own: Triton 3.6 (torch 2.11) fails to build the sampling reduction
+        # when that kernel also writes its tokens as float64 (TritonGPURemoveLayoutConversions:
+        # "operand does not dominate this use"; Triton 3.9 builds it).
+        self.pack_samples = compile_region(pack_samples)
         self.buckets = batch_buckets(max_batch_size, smallest=2 if compile_decode else 1)
         # Static decode inputs, read in place by the CUDA graphs: token ids, positions, batch slots
         # (rows 0..B-1 of each).
@@ -1192,11 +1196,10 @@ class ModelRunner:
     def _decode_sampling_epilogue(
         self, hidden_B1E, float_params_B3, int_params_B2, input_pos_B, is_filtered: bool
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Final norm, logits [B, V], and sampled tokens [B] with their log-probs, packed [2, B] as
-        float64 for the one copy to the host."""
+        """Final norm, logits [B, V], and sampled tokens [B] with their log-probs [B]."""
         logits_BV = self.logits(self.decoder.norm(hidden_B1E)[:, -1])
         tokens_B, logprobs_B = sample_tokens(logits_BV, float_params_B3, int_params_B2, input_pos_B + 1, is_filtered)
-        return tokens_B, torch.stack([tokens_B.double(), logprobs_B.double()]), logits_BV
+        return tokens_B, logprobs_B, logits_BV
 
     def _run_decode_layer(self, layer: nn.Module, hidden_B1E: torch.Tensor, **layer_kwargs) -> torch.Tensor:
         """One decoder layer of the decode step (compiled: its batch-sized inputs marked symbolic)."""
@@ -1241,9 +1244,11 @@ class ModelRunner:
             bucket = input_ids_B.shape[0]
             float_params_B3, int_params_B2 = self.static_sampling_float[:bucket], self.static_sampling_int[:bucket]
             mark_compile_shapes("batch", float_params_B3, int_params_B2, is_batch_symbolic=self.compile_decode)
-            return self.decode_sampling_epilogue(
+            next_ids_B, logprobs_B, logits_BV = self.decode_sampling_epilogue(
                 hidden_B1E, float_params_B3, int_params_B2, input_pos_B, mode == FILTERED_MODE
             )
+            mark_compile_shapes("batch", next_ids_B, logprobs_B, is_batch_symbolic=self.compile_decode)
+            return next_ids_B, self.pack_samples(next_ids_B, logprobs_B), logits_BV
 
     def _static_step_inputs(self, bucket: int) -> list[torch.Tensor]:
         """Rows 0..bucket-1 of the static token ids, positions and batch slots."""
@@ -1740,6 +1745,11 @@ def greedy_tokens(logits_BV: torch.Tensor) -> torch.Tensor:
     return best_chunk_B * (V // num_chunks) + chunk_argmax_BC.gather(1, best_chunk_B[:, None]).squeeze(1)
 
 
+def pack_samples(tokens_B: torch.Tensor, logprobs_B: torch.Tensor) -> torch.Tensor:
+    """Sampled tokens and their log-probs as one [2, B] float64 tensor: one copy to the host."""
+    return torch.stack([tokens_B.double(), logprobs_B.double()])
+
+
 def sample_tokens(
     logits_BV: torch.Tensor,
     float_params_B3: torch.Tensor,
@@ -1802,16 +1812,24 @@ def sortable_key(x: torch.Tensor) -> torch.Tensor:
 def radix_select(key_BV: torch.Tensor, weight_BV: torch.Tensor, target_B: torch.Tensor) -> torch.Tensor:
     """Per row, the largest key t with sum(weight where key >= t) >= target, one byte of t per
     pass from the top: a histogram of the weights of the keys that match the bytes found so far.
-    key_BV: int64 in [0, 2**32); weight_BV: int64 >= 0; target_B: int64."""
-    B = key_BV.shape[0]
+    key_BV: int64 in [0, 2**32); weight_BV: int64 >= 0; target_B: int64.
+
+    NOTE: each row's histogram is kept in 32 lanes (token id mod 32), added up after: a row's keys
+    share few top bytes, and the lanes spread neighbouring tokens' atomic adds over 32 addresses
+    (1.7x faster on an H200, scripts/benchmarks/README.md).
+    """
+    B, V = key_BV.shape
+    num_lanes = 32
     bins_256 = torch.arange(256, device=key_BV.device)
+    lane_V = torch.arange(V, device=key_BV.device) % num_lanes
     prefix_B = torch.zeros(B, dtype=torch.int64, device=key_BV.device)
     weight_above_B = torch.zeros_like(prefix_B)  # weight of the keys above the prefix found so far
     for shift in (24, 16, 8, 0):
         is_candidate_BV = (key_BV >> (shift + 8)) == prefix_B[:, None]
-        byte_BV = (key_BV >> shift) & 255
-        hist_B256 = torch.zeros(B, 256, dtype=torch.int64, device=key_BV.device)
-        hist_B256 = hist_B256.scatter_add(1, byte_BV, torch.where(is_candidate_BV, weight_BV, 0))
+        bin_BV = ((key_BV >> shift) & 255) * num_lanes + lane_V
+        hist_BL = torch.zeros(B, 256 * num_lanes, dtype=torch.int64, device=key_BV.device)
+        hist_BL = hist_BL.scatter_add(1, bin_BV, torch.where(is_candidate_BV, weight_BV, 0))
+        hist_B256 = hist_BL.view(B, 256, num_lanes).sum(-1)
         at_or_above_B256 = hist_B256.flip(1).cumsum(1).flip(1)
         is_enough_B256 = weight_above_B[:, None] + at_or_above_B256 >= target_B[:, None]
         byte_B = torch.where(is_enough_B256, bins_256, 0).amax(1)  # the highest byte still reaching the target
@@ -1865,7 +1883,7 @@ def mark_compile_shapes(role: str, *tensors: torch.Tensor | None, is_batch_symbo
       tensors inside the decode attention op: flex's decode kernel is compiled per batch bucket
       (and the CPU kernel indexes out of bounds with a symbolic KV length).
     - "packed": prefill's q, k, v: only the packed length (dim 2) may become dynamic.
-    - "batch": inputs of the compiled decode regions (prologue, layer, epilogue): with
+    - "batch": inputs of the compiled decode regions (prologue, layer, epilogues, sample packing): with
       `is_batch_symbolic` (compile_decode) dim 0, the batch, is symbolic, so one compile serves
       every bucket; a weak mark, so a graph that needs a fixed size (a bucket of 1) specialises it.
     - "static_batch": decode region inputs that also cross into flex_attention (positions, batch

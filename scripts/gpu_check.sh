@@ -18,7 +18,8 @@
 # times measured on an H200):
 # rollouts:            this engine, CUDA graphs and compiled + fused step, with kernel profiles (~6 min)
 # rollouts_quick:      the compiled + fused step alone, batch 64 and 1, with kernel profiles (2 min)
-# sampling:            greedy, temperature-1 sampling with log-probs, and top-k 50 + top-p 0.9, batch 64 and 256
+# sampling:            the token choice alone (greedy, sampling, top-k + top-p; batch 1/64/256), then the whole step:
+#                      greedy, temperature-1 sampling with log-probs, and top-k 50 + top-p 0.9, batch 64 and 256
 # grpo:                32 prompts of 256 tokens x n = 8, lengths 64..1024, shared vs separate prompt pages, and HF generate(do_sample)
 # rollouts_rest:       its batch-8 row, batch 1 with cuBLAS for every GEMM, HF (dynamic cache, generate_batch) at 64 and 1 (5 min)
 # rollouts_ablation:   this engine, eager decode and the compiled step without fused projections (~7 min)
@@ -88,6 +89,7 @@ run() {  # run NAME CMD...: logs the command, its status and its time
         run rollouts_quick $PY -m scripts.benchmarks.bench_rollouts --batch_sizes 64 1 --systems engine_fused_compiled_graph \
           --profile --out "$OUT/rollouts_quick.json" ;;
       sampling)
+        run sampling_step $PY -m scripts.benchmarks.bench_sampling_step --out "$OUT/sampling_step.json"
         run rollouts_sampling $PY -m scripts.benchmarks.bench_rollouts --batch_sizes 64 256 \
           --systems engine_fused_compiled_graph engine_fused_compiled_graph_sample engine_fused_compiled_graph_top_p \
           --out "$OUT/rollouts_sampling.json" ;;

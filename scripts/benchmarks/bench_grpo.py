@@ -5,8 +5,9 @@ log-probs, each completion's length drawn from 64..1024 (fixed seed) and end ids
 systems do the same work. The engine runs its fastest mode (compiled step, fused projections, CUDA
 graphs) through `rollouts`, once with the n completions sharing their prompt's pages and once as
 256 separate sequences; it reports wall time, tok/s and the most KV pages held at once. HF runs
-each prompt's 8 completions as one `generate(num_return_sequences=8)` to the longest of their
-lengths (it cannot stop rows at different lengths), and its tok/s counts the same useful tokens.
+all 256 completions as one `generate(num_return_sequences=8)` to the longest length, as TRL's own
+generation does (it cannot stop rows at different lengths), and its tok/s counts the same useful
+tokens.
 
     python -m scripts.benchmarks.bench_grpo --out grpo.json
 """
@@ -84,21 +85,20 @@ def run_engine(model, prompts, lengths, args) -> dict:
 def run_hf(model, prompts, lengths, args) -> dict:
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
+    input_ids = torch.tensor(prompts, device=model.device)  # prompts of one length: no padding
+    num_tokens = max(map(max, lengths))
     sync(model.device)
     start = time.perf_counter()
-    for prompt, group_lengths in zip(prompts, lengths):
-        input_ids = torch.tensor([prompt], device=model.device)
-        num_tokens = max(group_lengths)
-        model.generate(
-            input_ids,
-            do_sample=True,
-            temperature=1.0,
-            top_k=0,
-            top_p=1.0,
-            num_return_sequences=args.n,
-            max_new_tokens=num_tokens,
-            min_new_tokens=num_tokens,
-        )
+    model.generate(
+        input_ids,
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        num_return_sequences=args.n,
+        max_new_tokens=num_tokens,
+        min_new_tokens=num_tokens,
+    )
     sync(model.device)
     wall_s = time.perf_counter() - start
     useful = sum(map(sum, lengths))
