@@ -128,8 +128,8 @@ class SamplingParams:
 
     @property
     def is_filtered(self) -> bool:
-        """Whether top-k or top-p is on (they cost extra passes over the vocabulary)."""
-        return self.top_k > 0 or self.top_p < 1
+        """Whether top-k, top-p or min-p is on (they cost extra passes over the vocabulary)."""
+        return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
 
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -1358,7 +1358,7 @@ class DecodeLaunch:
 
 def sampling_mode(sequences: list[Sequence]) -> str:
     """How a step over `sequences` picks tokens: greedy (every row greedy without log-probs: the
-    plain argmax step), filtered (a sampling row uses top-k or top-p), or sample."""
+    plain argmax step), filtered (a sampling row uses top-k, top-p or min-p), or sample."""
     params = [seq.sampling or GREEDY for seq in sequences]
     if any(p.is_filtered and not p.is_greedy for p in params):
         return FILTERED_MODE
@@ -1762,7 +1762,7 @@ def sample_tokens(
 
     float_params_B3: temperature, top_p, min_p per row; int_params_B2: top_k, seed per row;
     position_B: the position the sampled token takes in its sequence. `is_filtered`: whether any
-    row uses top-k or top-p (without, their passes are skipped).
+    row uses top-k, top-p or min-p (without, their passes are skipped).
     The draw is Gumbel-max over the kept tokens with noise from a hash of (seed, position, token):
     it depends on nothing else, so neither the batch, its bucket, preemption nor another GPU can
     change a sequence's tokens. Log-probs are log_softmax(logits / T) at the chosen token, over the
@@ -1773,13 +1773,15 @@ def sample_tokens(
     is_greedy_B = temperature_B <= 0
     z_BV = logits_BV / torch.where(is_greedy_B, 1.0, temperature_B)[:, None]
     z_max_B1 = z_BV.amax(-1, keepdim=True)
-    keep_BV = z_BV - z_max_B1 >= torch.log(min_p_B)[:, None]  # min-p: p >= min_p * max p
+    # A greedy row draws no noise: its score's first maximum is the logits' (every filter keeps a maximum).
+    score_BV = z_BV + torch.where(is_greedy_B[:, None], 0.0, sampling_noise(seed_B, position_B, z_BV.shape[1]))
     if is_filtered:
+        keep_BV = z_BV - z_max_B1 >= torch.log(min_p_B)[:, None]  # min-p: p >= min_p * max p
         keep_BV = keep_BV & top_k_top_p_mask(z_BV, z_max_B1, top_k_B, top_p_B)
-    gumbel_BV = sampling_noise(seed_B, position_B, z_BV.shape[1])
-    sampled_B = torch.where(keep_BV, z_BV + gumbel_BV, -torch.inf).argmax(-1)
-    tokens_B = torch.where(is_greedy_B, greedy_tokens(logits_BV), sampled_B)
-    logprobs_B = z_BV.gather(1, tokens_B[:, None]).squeeze(1) - torch.logsumexp(z_BV, -1)
+        score_BV = torch.where(keep_BV, score_BV, -torch.inf)
+    tokens_B = score_BV.argmax(-1)
+    log_normalizer_B = (z_max_B1 + torch.log(torch.exp(z_BV - z_max_B1).sum(-1, keepdim=True))).squeeze(1)
+    logprobs_B = z_BV.gather(1, tokens_B[:, None]).squeeze(1) - log_normalizer_B
     return tokens_B, logprobs_B
 
 

@@ -62,9 +62,10 @@ def chi_square_critical(dof: int, z: float = 3.09) -> float:
         SamplingParams(temperature=1.0),
         SamplingParams(temperature=0.7, top_k=20),
         SamplingParams(temperature=1.3, top_p=0.8),
+        SamplingParams(temperature=1.2, min_p=0.1),
         SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.05),
     ],
-    ids=["plain", "top_k", "top_p", "top_k_top_p_min_p"],
+    ids=["plain", "top_k", "top_p", "min_p", "top_k_top_p_min_p"],
 )
 def test_first_sampled_token_follows_hf_filtered_softmax_and_never_leaves_the_kept_set(qwen3, params):
     prompt = random_prompts([11], qwen3["hf"].config.vocab_size, seed=31)[0]
