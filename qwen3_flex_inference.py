@@ -1191,7 +1191,7 @@ class ModelRunner:
     def _decode_epilogue(self, hidden_B1E: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Final norm, logits [B, V] and greedy tokens [B]."""
         logits_BV = self.logits(self.decoder.norm(hidden_B1E)[:, -1])
-        return greedy_tokens(logits_BV), logits_BV
+        return first_argmax(logits_BV), logits_BV
 
     def _decode_sampling_epilogue(
         self, hidden_B1E, float_params_B3, int_params_B2, input_pos_B, is_filtered: bool
@@ -1731,16 +1731,22 @@ def _paged_decode_attention_shape(q, *args):
 # ---------------------------------------------------------------------------------------------
 
 
-def greedy_tokens(logits_BV: torch.Tensor) -> torch.Tensor:
-    """logits_BV.argmax(-1), the first index of each row's maximum, in two stages: the maximum of
-    each of C chunks of the vocabulary, then of the chunks.
+def vocabulary_chunks(vocab_size: int) -> int:
+    """How many chunks a vocabulary row is reduced in: the largest power of two up to 256 that
+    divides it.
 
-    NOTE: one reduction over a long vocabulary row runs as one program per row, slow at batch 1
-    (scripts/benchmarks/README.md); C chunks per row give the compiled step C times the programs.
+    NOTE: one reduction over a long vocabulary row runs as one program per row, slow at small
+    batches (scripts/benchmarks/README.md); C chunks a row give the compiled step C times the programs.
     """
-    B, V = logits_BV.shape
-    num_chunks = min(V & -V, 256)  # the largest power of two up to 256 that divides V
-    chunk_max_BC, chunk_argmax_BC = logits_BV.view(B, num_chunks, V // num_chunks).max(-1)
+    return min(vocab_size & -vocab_size, 256)
+
+
+def first_argmax(x_BV: torch.Tensor) -> torch.Tensor:
+    """x_BV.argmax(-1), the first index of each row's maximum, in two stages: the maximum of each
+    vocabulary chunk, then of the chunks."""
+    B, V = x_BV.shape
+    num_chunks = vocabulary_chunks(V)
+    chunk_max_BC, chunk_argmax_BC = x_BV.view(B, num_chunks, V // num_chunks).max(-1)
     best_chunk_B = chunk_max_BC.argmax(-1)  # the first chunk holding the row's maximum
     return best_chunk_B * (V // num_chunks) + chunk_argmax_BC.gather(1, best_chunk_B[:, None]).squeeze(1)
 
@@ -1770,17 +1776,25 @@ def sample_tokens(
     """
     temperature_B, top_p_B, min_p_B = float_params_B3.unbind(1)
     top_k_B, seed_B = int_params_B2.unbind(1)
+    B, V = logits_BV.shape
     is_greedy_B = temperature_B <= 0
     z_BV = logits_BV / torch.where(is_greedy_B, 1.0, temperature_B)[:, None]
-    z_max_B1 = z_BV.amax(-1, keepdim=True)
+    # Each row's maximum and log-normaliser from its vocabulary chunks' (a chunk's maximum clamped
+    # to a finite value, so that a chunk of -inf adds 0): with the chunked argmax below, the
+    # compiled step reads the logits once.
+    z_BCK = z_BV.view(B, vocabulary_chunks(V), -1)
+    chunk_max_BC1 = z_BCK.amax(-1, keepdim=True).clamp(min=torch.finfo(z_BV.dtype).min)
+    chunk_sum_BC = torch.exp(z_BCK - chunk_max_BC1).sum(-1)
+    z_max_B1 = chunk_max_BC1.amax(1)
+    row_sum_B = (chunk_sum_BC * torch.exp(chunk_max_BC1.squeeze(2) - z_max_B1)).sum(-1)
+    log_normalizer_B = z_max_B1.squeeze(1) + torch.log(row_sum_B)
     # A greedy row draws no noise: its score's first maximum is the logits' (every filter keeps a maximum).
-    score_BV = z_BV + torch.where(is_greedy_B[:, None], 0.0, sampling_noise(seed_B, position_B, z_BV.shape[1]))
+    score_BV = z_BV + torch.where(is_greedy_B[:, None], 0.0, sampling_noise(seed_B, position_B, V))
     if is_filtered:
         keep_BV = z_BV - z_max_B1 >= torch.log(min_p_B)[:, None]  # min-p: p >= min_p * max p
         keep_BV = keep_BV & top_k_top_p_mask(z_BV, z_max_B1, top_k_B, top_p_B)
         score_BV = torch.where(keep_BV, score_BV, -torch.inf)
-    tokens_B = score_BV.argmax(-1)
-    log_normalizer_B = (z_max_B1 + torch.log(torch.exp(z_BV - z_max_B1).sum(-1, keepdim=True))).squeeze(1)
+    tokens_B = first_argmax(score_BV)
     logprobs_B = z_BV.gather(1, tokens_B[:, None]).squeeze(1) - log_normalizer_B
     return tokens_B, logprobs_B
 

@@ -31,7 +31,7 @@ def case(request, tiny_dir):
     return dict(name=request.param, path=path, hf=hf, engine=engine, prompts=prompts, want=want)
 
 
-def test_greedy_tokens_match_hf_generate_with_more_prompts_than_slots(case):
+def test_first_argmax_match_hf_generate_with_more_prompts_than_slots(case):
     got = generate(case["engine"], case["prompts"])
     for i, (g, w) in enumerate(zip(got, case["want"])):
         assert g == w, f"{case['name']} prompt {i}: {g=} {w=}"
@@ -201,8 +201,8 @@ def test_an_error_mid_generate_leaves_no_slot_or_page_held(case):
 
 
 @pytest.mark.parametrize("vocab_size", [448, 151936, 262144])
-def test_greedy_tokens_equal_argmax_with_ties_eager_and_compiled(vocab_size):
-    from qwen3_flex_inference import greedy_tokens
+def test_first_argmax_equal_argmax_with_ties_eager_and_compiled(vocab_size):
+    from qwen3_flex_inference import first_argmax
 
     generator = torch.Generator().manual_seed(vocab_size)
     logits_BV = torch.randn(5, vocab_size, generator=generator)
@@ -210,8 +210,8 @@ def test_greedy_tokens_equal_argmax_with_ties_eager_and_compiled(vocab_size):
     logits_BV[2, [3, 4]] = 100.0  # a tie inside one chunk
     logits_BV[3, -1] = 100.0  # the very last entry
     want = logits_BV.argmax(-1)
-    assert torch.equal(greedy_tokens(logits_BV), want)
-    assert torch.equal(torch.compile(greedy_tokens, fullgraph=True, dynamic=False)(logits_BV), want)
+    assert torch.equal(first_argmax(logits_BV), want)
+    assert torch.equal(torch.compile(first_argmax, fullgraph=True, dynamic=False)(logits_BV), want)
 
 
 def test_head_dim_not_a_multiple_of_16_compiles_on_cpu_and_matches_hf(tiny_dir):

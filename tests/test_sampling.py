@@ -288,3 +288,31 @@ def test_compiled_decode_step_samples_the_eager_tokens(qwen3):
     assert [seq.output_ids for seq in got] == [seq.output_ids for seq in want]
     err = max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g.output_logprobs, w.output_logprobs))
     assert err < 1e-4, f"{err=}"
+
+
+@pytest.mark.parametrize("vocab_size", [448, 1000, 997])  # 64 chunks of 7, 8 of 125, one chunk
+@pytest.mark.parametrize("is_filtered", [False, True], ids=["plain", "filtered"])
+def test_sample_tokens_log_probs_equal_log_softmax_and_greedy_rows_take_the_first_maximum(vocab_size, is_filtered):
+    """The chunked log-normaliser equals log_softmax's (a chunk of -inf included), and greedy rows
+    among sampled ones take argmax's first index; compiled alike (one case: compiles are slow)."""
+    from qwen3_flex_inference import sample_tokens
+
+    generator = torch.Generator().manual_seed(vocab_size)
+    logits_BV = torch.randn(4, vocab_size, generator=generator) * 4
+    logits_BV[0, [5, vocab_size - 3]] = 50.0  # a greedy row with a tie across chunks: the first wins
+    logits_BV[1, :250] = -torch.inf  # whole chunks of -inf
+    float_params_B3 = torch.tensor([[0.0, 1.0, 0.0], [0.7, 0.9, 0.0], [1.0, 1.0, 0.05], [1.3, 0.8, 0.0]])
+    int_params_B2 = torch.tensor([[0, 1], [20, 2], [0, 3], [0, 4]])
+    position_B = torch.tensor([10, 11, 12, 13])
+    want_logprobs_BV = torch.log_softmax(logits_BV / torch.tensor([1.0, 0.7, 1.0, 1.3])[:, None], -1)
+    inputs = (logits_BV, float_params_B3, int_params_B2, position_B, is_filtered)
+    results = [sample_tokens(*inputs)]
+    if vocab_size == 1000 and not is_filtered:
+        results.append(torch.compile(sample_tokens, fullgraph=True, dynamic=False)(*inputs))
+    eager_tokens_B = results[0][0]
+    for tokens_B, logprobs_B in results:
+        assert tokens_B[0].item() == 5
+        assert torch.equal(tokens_B, eager_tokens_B)
+        assert logits_BV.gather(1, tokens_B[:, None]).isfinite().all()
+        want_B = want_logprobs_BV.gather(1, tokens_B[:, None]).squeeze(1)
+        assert (logprobs_B - want_B).abs().max().item() < 1e-5, f"{logprobs_B=} {want_B=}"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from qwen3_flex_inference import greedy_tokens, sample_tokens
+from qwen3_flex_inference import first_argmax, sample_tokens
 
 
 def time_ms(fn, *args, repeats: int = 20) -> float:
@@ -31,7 +31,7 @@ def main() -> None:
     parser.add_argument("--vocab_size", type=int, default=262144, help="vocabulary (E2B's by default)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
-    greedy = torch.compile(greedy_tokens, fullgraph=True, dynamic=False)
+    greedy = torch.compile(first_argmax, fullgraph=True, dynamic=False)
     sample = torch.compile(sample_tokens, fullgraph=True, dynamic=False)
     results = []
     for B in args.batch_sizes:
