@@ -114,7 +114,12 @@ def kv_store_layers(config) -> list[int]:
 
 
 def gemma4_attention_forward(self, hidden_states, position_embeddings, attention_mask=None, layer_step=None, **kwargs):
-    """Replaces Gemma4TextAttention.forward: HF's projections and norms, paged flex attention."""
+    """Replaces Gemma4TextAttention.forward: HF's projections and norms, paged flex attention.
+    Called outside the engine (no `layer_step`), it is HF's own forward."""
+    if layer_step is None:
+        return type(self).forward(
+            self, hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask, **kwargs
+        )
     input_shape = hidden_states.shape[:-1]  # [B, S]
     hidden_shape = (*input_shape, -1, self.head_dim)
     cos, sin = position_embeddings

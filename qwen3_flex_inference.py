@@ -476,7 +476,9 @@ class FlexInference:
 def _progress_bar(total: int, enabled: bool):
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, disable=not enabled, unit="tok", dynamic_ncols=True, leave=False)
+    return tqdm(
+        total=total, disable=None if enabled else True, unit="tok", dynamic_ncols=True, leave=False
+    )  # None: off without a terminal
 
 
 def completion_groups(prompts: list[Sequence], params: SamplingParams, base_seed: int) -> list[list[Sequence]]:
@@ -2277,7 +2279,12 @@ def _skinny_linear_shape(x, weight):
 def qwen3_llama_attention_forward(
     self, hidden_states, position_embeddings, attention_mask=None, layer_step=None, **kwargs
 ):
-    """Replaces Qwen3Attention/LlamaAttention.forward: project, norm (Qwen3), RoPE, paged flex attention."""
+    """Replaces Qwen3Attention/LlamaAttention.forward: project, norm (Qwen3), RoPE, paged flex attention.
+    Called outside the engine (no `layer_step`), it is HF's own forward."""
+    if layer_step is None:
+        return type(self).forward(
+            self, hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask, **kwargs
+        )
     input_shape = hidden_states.shape[:-1]  # [B, S]
     hidden_shape = (*input_shape, -1, self.head_dim)
     q, k, v = (t.view(hidden_shape) for t in project(self, qkv_projections(self), "fused_qkv_weight", hidden_states))
@@ -2722,6 +2729,8 @@ def load_lora(model: nn.Module, adapter_path: str, load_adapter=None) -> nn.Modu
 # ---------------------------------------------------------------------------------------------
 
 DEMO_PROMPTS_PATH = Path(__file__).resolve().parent / "scripts" / "demo_prompts.txt"
+# A file of this name in a checkpoint folder marks its weights as random (the tiny test checkpoints).
+RANDOM_WEIGHTS_MARKER = "RANDOM_WEIGHTS"
 
 GRPO_SYSTEM_PROMPT = (
     "You are given a problem. Think about the problem and provide your working out. "
@@ -2792,7 +2801,8 @@ def build_arg_parser(default_model_name: str, description: str) -> argparse.Argu
         "--chat_template",
         choices=["auto", "grpo", "native"],
         default="auto",
-        help="grpo: system prompt asking for reasoning then a marked solution; native: the tokenizer's own template",
+        help="grpo: a system prompt asking for reasoning then a marked solution (a prompt's own system turn is "
+        "kept instead); native: the turns as given; both in the tokenizer's chat template",
     )
     p.add_argument(
         "--fa4_prefill",
@@ -2921,10 +2931,8 @@ def run_rounds(args, engine_class, load_model, default_chat_template: str, load_
     is_distributed = is_data_parallel()
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if is_distributed else (0, 1)
     if rank != 0:  # only rank 0 prints
-        from transformers.utils import logging as transformers_logging
-
         args.quiet = True
-        transformers_logging.disable_progress_bar()
+    quiet_libraries(args.quiet)
 
     start = time.perf_counter()
     model = load_model(args.model_name, dtype, device, **flags_of(args, LOADER_FLAGS))
@@ -2938,7 +2946,12 @@ def run_rounds(args, engine_class, load_model, default_chat_template: str, load_
         model = load_lora(model, args.lora_adapter, load_adapter)
         peft_model = None if args.no_merge_lora else model
     load_s = time.perf_counter() - start
-    _say(args, f"loaded {args.model_name} in {load_s:.1f} s")
+    if is_dummy:
+        _say(
+            args, f"built {args.model_name}'s architecture with random weights (--load_format dummy) in {load_s:.1f} s"
+        )
+    else:
+        _say(args, f"loaded {args.model_name} in {load_s:.1f} s")
 
     engine = engine_class(
         model,
@@ -2995,7 +3008,12 @@ def run_rounds(args, engine_class, load_model, default_chat_template: str, load_
     if owns_process_group:
         dist.destroy_process_group()
 
-    decode_tps = [n_decoded / t for t in wall_times]
+    # Round 1 compiles kernels (and captures CUDA graphs): start-up, reported apart from the rounds after it.
+    timed_wall_times = wall_times[1:] or wall_times
+    decode_tps = [n_decoded / t for t in timed_wall_times]
+    n_cut = sum(
+        seq.finish_reason == "length" and len(seq.output_ids) < args.max_new_tokens for seq in sequences
+    )  # stopped by max_seq_length before max_new_tokens
     stats = {
         "backend": "flex_attention"
         + ("+compiled_step" if args.compile_decode else "")
@@ -3010,9 +3028,12 @@ def run_rounds(args, engine_class, load_model, default_chat_template: str, load_
         "n_completions": len(sequences),
         "sampling": {name: getattr(sampling, name) for name in ("temperature", "top_p", "top_k", "min_p", "n", "seed")},
         "n_decoded_tokens": n_decoded,
+        "n_cut_by_max_seq_length": n_cut,
         "wall_times_s": wall_times,
-        "median_wall_s": statistics.median(wall_times),
-        "best_wall_s": min(wall_times),
+        "first_round_s": wall_times[0],
+        "timed_rounds": len(timed_wall_times),
+        "median_wall_s": statistics.median(timed_wall_times),
+        "best_wall_s": min(timed_wall_times),
         "decode_tps_median": statistics.median(decode_tps),
         "decode_tps_best": max(decode_tps),
         "max_new_tokens": args.max_new_tokens,
@@ -3036,15 +3057,54 @@ def run_rounds(args, engine_class, load_model, default_chat_template: str, load_
         Path(args.stats_path).parent.mkdir(parents=True, exist_ok=True)
         Path(args.stats_path).write_text(json.dumps(stats, indent=2))
     if rank == 0:
-        on_ranks = f" on {world_size} ranks" if is_distributed else ""
-        print(
-            f"{stats['backend']}: {stats['n_prompts']} prompts{on_ranks}, {n_decoded} tokens, "
-            f"median {stats['median_wall_s']:.2f} s, {stats['decode_tps_median']:.0f} tok/s "
-            f"(best {stats['decode_tps_best']:.0f}), peak {stats['peak_memory_gb']:.2f} GB"
-        )
+        print_summary(stats, args, is_random=is_dummy or (Path(args.model_name) / RANDOM_WEIGHTS_MARKER).is_file())
     if drift is not None and not drift["passed"]:
         raise FlexInferenceError("drift verification failed: the pristine or restored weights changed")
     return stats
+
+
+def print_summary(stats: dict, args, is_random: bool) -> None:
+    """The run in a few lines on stdout: start-up apart from the timed rounds, what tok/s counts,
+    length cuts, and the first completions."""
+    on_ranks = f" on {stats['world_size']} ranks" if "world_size" in stats else ""
+    print(
+        f"{stats['backend']}: {stats['n_prompts']} prompts x {stats['sampling']['n']} completion{'s' if stats['sampling']['n'] > 1 else ''}{on_ranks}, "
+        f"{stats['n_decoded_tokens']} new tokens a round, peak {stats['peak_memory_gb']:.2f} GB"
+    )
+    capture = f", CUDA graphs captured in {stats['capture_s']:.1f} s" if stats.get("capture_s") else ""
+    print(f"start-up: load {stats['load_s']:.1f} s, first round (compiles) {stats['first_round_s']:.2f} s{capture}")
+    if args.n_rounds > 1:
+        print(
+            f"timed rounds ({stats['timed_rounds']} after the first): median {stats['median_wall_s']:.2f} s, "
+            f"{stats['decode_tps_median']:.0f} new tokens/s (best {stats['decode_tps_best']:.0f}), "
+            "each round end to end: tokenizing, prefill and decode"
+        )
+    else:
+        tps = stats["decode_tps_median"]
+        print(f"one round, compiles included: {tps:.0f} new tokens/s (--n_rounds 2 also times a warm round)")
+    if stats["n_cut_by_max_seq_length"]:
+        print(
+            f"{stats['n_cut_by_max_seq_length']} of {stats['n_completions']} completions stopped at --max_seq_length "
+            f"{args.max_seq_length} before --max_new_tokens {args.max_new_tokens}"
+        )
+    for number, text in enumerate(stats["sample_completions"][:2], 1):
+        text = text if isinstance(text, str) else f"token ids {text}"
+        print(f"completion {number}: {text.strip()[:300]!r}")
+    if is_random:
+        print("(random weights: the completions are random text by construction)")
+
+
+def quiet_libraries(is_quiet: bool) -> None:
+    """A CLI run's log: no transformers progress bars when quiet or not on a terminal, and no
+    bitsandbytes notice about an optional CPU kernel package (PEFT imports bitsandbytes; 4-bit runs
+    without that package)."""
+    import logging
+
+    from transformers.utils import logging as transformers_logging
+
+    if is_quiet or not sys.stderr.isatty():
+        transformers_logging.disable_progress_bar()
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
 def _say(args, line: str) -> None:
@@ -3116,10 +3176,11 @@ def read_prompts(prompts_file: str | None, n_prompts: int) -> list:
 
 
 def format_prompt(tokenizer, prompt, chat_template: str) -> str:
-    """grpo: system prompt + user turn; native: the user's turn(s) as given; in the tokenizer's template."""
+    """grpo: the GRPO system prompt before the turns, unless they hold a system turn of their own
+    (kept); native: the turns as given; in the tokenizer's template."""
     messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-    if chat_template == "grpo":
-        messages = [{"role": "system", "content": GRPO_SYSTEM_PROMPT}] + [m for m in messages if m["role"] != "system"]
+    if chat_template == "grpo" and not any(m["role"] == "system" for m in messages):
+        messages = [{"role": "system", "content": GRPO_SYSTEM_PROMPT}] + messages
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return "\n\n".join(m["content"] for m in messages) + "\n\n"

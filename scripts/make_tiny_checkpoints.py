@@ -59,6 +59,9 @@ DEFAULT_OUT = REPO_ROOT / "checkpoints" / "tiny"
 # Bump when the produced checkpoints change in a way the content hash below would not notice.
 BUILD_VERSION = "tiny-checkpoints-v1"
 MARKER = "DONE"
+RANDOM_WEIGHTS_MARKER = (
+    "RANDOM_WEIGHTS"  # in each checkpoint folder; the CLIs read it (qwen3_flex_inference.RANDOM_WEIGHTS_MARKER)
+)
 
 SEED = 20240601
 BPE_VOCAB_SIZE = 448  # total tokenizer size, special tokens included
@@ -474,6 +477,8 @@ def _save_model(model, folder: Path, tok, gen_eos: list[int], bos, pad) -> None:
     model.generation_config = GenerationConfig(bos_token_id=bos, eos_token_id=gen_eos, pad_token_id=pad)
     model.save_pretrained(folder, safe_serialization=True)
     tok.save_pretrained(folder)
+    # the CLIs say that such a checkpoint's completions are random text
+    (folder / RANDOM_WEIGHTS_MARKER).write_text("Random weights (scripts/make_tiny_checkpoints.py): for tests.\n")
 
 
 def _save_lora(model, folder: Path, targets, seed: int) -> int:

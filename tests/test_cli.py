@@ -37,7 +37,8 @@ LIMITS = [
 
 STATS_KEYS = [
     "backend", "model_name", "capture_cudagraph", "lora_adapter", "n_prompts", "n_decoded_tokens",
-    "wall_times_s", "median_wall_s", "best_wall_s", "decode_tps_median", "decode_tps_best",
+    "wall_times_s", "first_round_s", "timed_rounds", "median_wall_s", "best_wall_s", "decode_tps_median",
+    "decode_tps_best", "n_cut_by_max_seq_length",
     "max_new_tokens", "peak_memory_gb", "sample_completions",
 ]  # fmt: skip
 
@@ -154,9 +155,14 @@ def check_sane_stats(stats: dict, model_name: str, n_rounds: int) -> None:
     assert 0 < n_decoded <= N_PROMPTS * MAX_NEW_TOKENS, f"n_decoded_tokens {n_decoded}"
     walls = stats["wall_times_s"]
     assert len(walls) == n_rounds and all(t > 0 for t in walls), f"wall_times_s {walls}"
-    assert stats["median_wall_s"] == pytest.approx(statistics.median(walls)), (stats["median_wall_s"], walls)
-    assert stats["best_wall_s"] == pytest.approx(min(walls)), (stats["best_wall_s"], walls)
-    tps = [n_decoded / t for t in walls]
+    # the first round (compiles) is start-up; the rounds after it are the timed ones
+    assert stats["first_round_s"] == walls[0], (stats["first_round_s"], walls)
+    timed = walls[1:] or walls
+    assert stats["timed_rounds"] == len(timed), (stats["timed_rounds"], walls)
+    assert stats["median_wall_s"] == pytest.approx(statistics.median(timed)), (stats["median_wall_s"], walls)
+    assert stats["best_wall_s"] == pytest.approx(min(timed)), (stats["best_wall_s"], walls)
+    assert stats["n_cut_by_max_seq_length"] == 0, stats["n_cut_by_max_seq_length"]
+    tps = [n_decoded / t for t in timed]
     assert stats["decode_tps_median"] > 0 and stats["decode_tps_best"] > 0, (
         stats["decode_tps_median"],
         stats["decode_tps_best"],
@@ -488,3 +494,54 @@ def test_every_qwen3_cli_flag_has_help_text():
         assert action.help and action.help.strip(), f"{action.option_strings} has no help text: {action.help!r}"
         for option in action.option_strings:
             assert option in help_text, f"{option} is not listed in --help"
+
+
+# ---------------------------------------------------------------------------------------------
+# What a run prints
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_run_prints_start_up_apart_from_timed_rounds_completions_and_a_short_quiet_log(tiny_dir, capsys):
+    """stdout: start-up (load, the compiling first round) apart from the timed rounds, what the
+    tok/s counts, two completions and that tiny random weights give random text; stderr (not a
+    terminal here) holds no progress-bar frames and no library notices."""
+    argv = cli_argv(tiny_dir / "qwen3", "--lora_adapter", str(tiny_dir / "qwen3" / "lora"), n_rounds=2)
+    qwen3_flex_inference.main([a for a in argv if a != "--quiet"])
+    out, err = capsys.readouterr()
+    assert "start-up: load" in out and "first round (compiles)" in out, out
+    assert "timed rounds (1 after the first)" in out and "end to end" in out, out
+    assert out.count("completion 1: ") == 1 and out.count("completion 2: ") == 1, out
+    assert "random text by construction" in out, out
+    assert err.strip().splitlines() == [line for line in err.strip().splitlines() if line.startswith("loaded ")], err
+
+
+def test_dummy_weights_are_said_to_be_built_not_loaded(tiny_dir, capsys):
+    argv = cli_argv(tiny_dir / "qwen3", "--load_format", "dummy")
+    qwen3_flex_inference.main([a for a in argv if a != "--quiet"])
+    out, err = capsys.readouterr()
+    assert "random weights (--load_format dummy)" in err and "loaded" not in err, err
+    assert "random text by construction" in out, out
+
+
+def test_completions_cut_by_max_seq_length_are_counted_and_said(tiny_dir, tmp_path, capsys):
+    """A prompt that leaves fewer than --max_new_tokens positions stops at --max_seq_length: the
+    run says how many did."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "word " * 40}) + "\n")
+    argv = cli_argv(tiny_dir / "qwen3", "--prompts_file", str(prompts), "--chat_template", "native", n_prompts=2)
+    argv[argv.index("--max_seq_length") + 1] = "160"  # the prompt takes 137 of them
+    argv[argv.index("--max_new_tokens") + 1] = "64"
+    stats = run_cli(qwen3_flex_inference, argv, tmp_path / "stats.json")
+    assert stats["n_cut_by_max_seq_length"] == 2, stats["n_cut_by_max_seq_length"]
+    assert "2 of 2 completions stopped at --max_seq_length 160 before --max_new_tokens 64" in capsys.readouterr().out
+
+
+def test_grpo_template_keeps_a_prompt_s_own_system_turn(tiny_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "qwen3")
+    own = [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "2 + 2?"}]
+    text = qwen3_flex_inference.format_prompt(tokenizer, own, "grpo")
+    assert "Answer in French." in text and qwen3_flex_inference.GRPO_SYSTEM_PROMPT not in text, text
+    plain = qwen3_flex_inference.format_prompt(tokenizer, "2 + 2?", "grpo")
+    assert qwen3_flex_inference.GRPO_SYSTEM_PROMPT in plain, plain

@@ -231,3 +231,28 @@ def test_head_dim_not_a_multiple_of_16_compiles_on_cpu_and_matches_hf(tiny_dir):
     prompts = random_prompts([5, 40, 23], config.vocab_size, seed=12)
     got = [seq.output_ids for seq in engine.generate([Sequence(input_ids=ids) for ids in prompts])]
     assert got == hf_greedy(hf, prompts, 8, set()), f"{got=}"
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma4_text"])
+def test_the_model_given_to_the_engine_still_runs_hf_forward_with_the_same_logits(tiny_dir, name):
+    """The engine patches the inference model's attention (and fuses its projections), but called
+    outside the engine the model is HF's own: same logits before, after building and after generating."""
+    from gemma4_flex_inference import FlexGemma4Inference
+
+    path = tiny_dir / name
+    model = load_hf(path)
+    ids = torch.tensor(random_prompts([40], model.config.vocab_size, seed=5))
+    with torch.no_grad():
+        before = model(ids).logits
+    engine_class = FlexGemma4Inference if name.startswith("gemma4") else FlexInference
+    engine = engine_class(
+        model, None, max_batch_size=2, max_seq_length=128, n_pages=32, page_size=16, max_new_tokens=4,
+        fuse_projections=True,
+    )  # fmt: skip
+    engine.generate([Sequence(input_ids=ids[0].tolist())])
+    with torch.no_grad():
+        after = model(ids).logits
+    assert (after - before).abs().max().item() < 1e-5
+    # HF generate (with its own KV cache) on the patched model: a fresh model's tokens
+    want = load_hf(path).generate(ids, max_new_tokens=8, do_sample=False)
+    assert torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False), want)
