@@ -256,3 +256,12 @@ def test_the_model_given_to_the_engine_still_runs_hf_forward_with_the_same_logit
     # HF generate (with its own KV cache) on the patched model: a fresh model's tokens
     want = load_hf(path).generate(ids, max_new_tokens=8, do_sample=False)
     assert torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False), want)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on the CPU only")
+def test_cuda_graphs_on_the_cpu_raise_a_value_error_a_trainer_can_catch(case):
+    from qwen3_flex_inference import FlexInferenceError
+
+    with pytest.raises(FlexInferenceError, match="^CUDA graphs need a CUDA device$") as info:
+        case["engine"].generate([Sequence(input_ids=case["prompts"][0])], capture_cudagraph=True)
+    assert isinstance(info.value, ValueError)
