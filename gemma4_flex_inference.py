@@ -24,7 +24,6 @@ scheduler, CUDA graphs, LoRA double-copy and CLI are the base engine's:
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -40,15 +39,17 @@ from qwen3_flex_inference import (
     Sequence,
     apply_rotary,
     build_arg_parser,
-    check_model_path,
+    check_adapter_weights_fit,
     eos_token_ids,
     flex_attention_compiled,
     load_causal_lm,
     load_config,
     load_peft_adapter,
+    lora_module_name,
     packed_block_masks,
     project,
     qkv_projections,
+    read_adapter_weights,
     refresh_lora_merge_from_pristine,
     run_cli,
     run_drift_verification,
@@ -148,17 +149,18 @@ class Gemma4ModelRunner(ModelRunner):
 
     use_prefill_shortcut = True  # False: every prefill row runs every layer (to measure the shortcut)
 
-    def build_kv_caches(self) -> list[PagedKVCache | None]:
-        """Only non-shared layers own a cache: KV bytes per token = the sum over those layers."""
-        caches = []
-        for attn in self.attention_layers():
-            if attn.is_kv_shared_layer:
-                caches.append(None)
+    @staticmethod
+    def kv_cache_heads(causal_lm: nn.Module) -> list[tuple[str, int, int] | None]:
+        """Only non-shared layers own a cache (KV bytes per token = the sum over those layers), each
+        over its regime's pool (sliding layers: the recycled window pool)."""
+        heads = []
+        for layer in causal_lm.model.layers:
+            attn = layer.self_attn
+            if attn.is_kv_shared_layer:  # no k_proj
+                heads.append(None)
                 continue
-            num_kv_heads = attn.k_proj.out_features // attn.head_dim
-            n_pages = self.page_tables[attn.layer_type].n_pages  # sliding layers: the recycled window pool
-            caches.append(PagedKVCache(n_pages, self.page_size, num_kv_heads, attn.head_dim, self.dtype, self.device))
-        return caches
+            heads.append((attn.layer_type, attn.k_proj.out_features // attn.head_dim, attn.head_dim))
+        return heads
 
     def patch_attention(self) -> None:
         for attn, cache_layer_idx in zip(self.attention_layers(), kv_store_layers(self.config)):
@@ -267,12 +269,20 @@ def load_gemma4(path: str, dtype: torch.dtype, device: torch.device, **load_kwar
     `load_kwargs` as for load_causal_lm (load_format, load_in_4bit, trust_remote_code, ...)."""
     from transformers import Gemma4ForCausalLM, Gemma4ForConditionalGeneration
 
-    if load_kwargs.get("load_format") == "dummy":
+    is_dummy = load_kwargs.get("load_format") == "dummy"
+    config = load_config(path, load_kwargs.get("trust_remote_code", False), use_preset=is_dummy)
+    if config.model_type not in ("gemma4", "gemma4_text"):
+        if config.model_type in ("qwen3", "llama"):
+            raise FlexInferenceError(
+                f"{path} is a {config.model_type} checkpoint, not Gemma-4: run it with qwen3_flex_inference.py"
+            )
+        raise FlexInferenceError(
+            f"{path} is a {config.model_type} checkpoint, not Gemma-4, the one model this engine runs"
+        )
+    if is_dummy:
         return load_causal_lm(
             path, dtype, device, model_class=Gemma4ForCausalLM, config_hook=text_config_of, **load_kwargs
         )
-    check_model_path(path)
-    config = load_config(path, load_kwargs.get("trust_remote_code", False), use_preset=False)
     if getattr(config, "text_config", None) is None:
         return load_causal_lm(path, dtype, device, model_class=Gemma4ForCausalLM, **load_kwargs)
     multimodal = load_causal_lm(path, dtype, device, model_class=Gemma4ForConditionalGeneration, **load_kwargs)
@@ -287,10 +297,8 @@ def load_gemma4_adapter(causal_lm: nn.Module, adapter_path: str):
     targets become the renamed module names (vision/audio targets cannot exist in the shell).
     """
     from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
-    from safetensors.torch import load_file
 
-    weights_path = Path(adapter_path) / "adapter_model.safetensors"
-    weights = load_file(weights_path) if weights_path.exists() else {}
+    weights = read_adapter_weights(adapter_path)
     if not any(".language_model." in key for key in weights):
         return load_peft_adapter(causal_lm, adapter_path)
     renamed = {
@@ -298,8 +306,9 @@ def load_gemma4_adapter(causal_lm: nn.Module, adapter_path: str):
     }
     if len(renamed) != len(weights):
         raise FlexInferenceError("the adapter also adapts the vision or audio towers, which the text engine drops")
+    check_adapter_weights_fit(causal_lm, renamed, adapter_path)
     config = LoraConfig.from_pretrained(adapter_path)
-    config.target_modules = sorted({key.removeprefix("base_model.model.").split(".lora_")[0] for key in renamed})
+    config.target_modules = sorted({lora_module_name(key) for key in renamed})
     config.inference_mode = True
     peft_model = get_peft_model(causal_lm, config)
     result = set_peft_model_state_dict(peft_model, renamed)

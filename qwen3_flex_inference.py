@@ -38,9 +38,12 @@ import json
 import os
 import random
 import re
+import socket
 import statistics
 import sys
 import time
+import urllib.parse
+import urllib.request
 import warnings
 from collections import deque
 from dataclasses import dataclass, field
@@ -175,7 +178,8 @@ class FlexInference:
     `ModelRunner` (the forward passes). With `peft_model`, the adapter's LoRA deltas are merged into
     `model`'s target weights from a pristine copy (`refresh_lora()` after every optimizer step);
     `base_model`, if given, holds those pristine weights already (e.g. a trainer's frozen base) so
-    nothing is copied.
+    nothing is copied. `n_pages` None sizes the KV pool to the device (`kv_pool_pages`); a pool
+    larger than the device's free memory is refused before it is allocated.
     """
 
     runner_class: type | None = None  # None: ModelRunner (Qwen3, Llama); FlexGemma4Inference sets its own
@@ -187,7 +191,7 @@ class FlexInference:
         tokenizer=None,
         max_batch_size: int = 32,
         max_seq_length: int = 2048,
-        n_pages: int = 2048,
+        n_pages: int | None = 2048,
         page_size: int = 128,
         max_new_tokens: int = 512,
         decode_kernel_options: dict | None = None,
@@ -210,20 +214,25 @@ class FlexInference:
         self.end_ids = end_token_ids(self.causal_lm, tokenizer)
         device = next(self.causal_lm.parameters()).device
         sliding_windows = attention_regimes(self.config)
+        runner_class = self.runner_class or ModelRunner
+        pool_sizes = kv_pool_pages(
+            runner_class.kv_cache_heads(self.causal_lm),
+            sliding_windows,
+            n_pages,
+            max_batch_size,
+            max_seq_length,
+            page_size,
+            self.causal_lm.model.embed_tokens.weight.dtype,  # the runner's dtype, its caches' too
+            device,
+        )
         page_tables = {
-            regime: PageTable(
-                page_size,
-                pool_pages(n_pages, window, max_batch_size, page_size),
-                max_batch_size + 1,
-                max_seq_length,
-                device,
-            )
-            for regime, window in sliding_windows.items()
+            regime: PageTable(page_size, pool_sizes[regime], max_batch_size + 1, max_seq_length, device)
+            for regime in sliding_windows
         }
         self.scheduler = Scheduler(
             page_tables, sliding_windows, max_batch_size, max_seq_length, max(self.max_prefill_tokens, max_seq_length)
         )
-        self.runner = (self.runner_class or ModelRunner)(
+        self.runner = runner_class(
             self.causal_lm,
             page_tables,
             sliding_windows,
@@ -526,7 +535,7 @@ def eos_token_ids(*configs) -> set[int]:
 
 
 def check_engine_limits(max_batch_size, max_seq_length, n_pages, page_size, max_new_tokens) -> None:
-    """Bad sizes fail here with one sentence, before anything is allocated."""
+    """Bad sizes fail here with one sentence, before anything is allocated (n_pages None: auto, sized later)."""
     if max_batch_size < 1:
         raise FlexInferenceError(f"max_batch_size must be at least 1, got {max_batch_size}", "max_batch_size")
     if page_size < 16 or page_size & (page_size - 1):
@@ -537,7 +546,7 @@ def check_engine_limits(max_batch_size, max_seq_length, n_pages, page_size, max_
         )
     if max_new_tokens < 1:
         raise FlexInferenceError(f"max_new_tokens must be at least 1, got {max_new_tokens}", "max_new_tokens")
-    if (n_pages - 1) * page_size < max_seq_length:
+    if n_pages is not None and (n_pages - 1) * page_size < max_seq_length:
         raise FlexInferenceError(
             f"the page pool ({n_pages} pages of {page_size}, one reserved) cannot hold even one sequence of "
             f"max_seq_length {max_seq_length}: raise n_pages to at least {max_seq_length // page_size + 1}",
@@ -913,6 +922,89 @@ def pool_pages(n_pages: int, sliding_window: int | None, max_batch_size: int, pa
     return min(n_pages, max_batch_size * pages_per_sequence + 1)
 
 
+# n_pages None (auto): the full-attention pool on CUDA (sized for an H200), and on the CPU the share
+# of the free RAM the pools may take at most (the rest is for activations and everything else).
+CUDA_AUTO_N_PAGES = 2048
+CPU_AUTO_MEMORY_FRACTION = 0.5
+
+
+def kv_pool_pages(
+    kv_heads: list[tuple[str, int, int] | None],
+    sliding_windows: dict[str, int | None],
+    n_pages: int | None,
+    max_batch_size: int,
+    max_seq_length: int,
+    page_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> dict[str, int]:
+    """Pages of each attention regime's pool, checked against the device's free memory before any is allocated.
+
+    `kv_heads` is the runner's `kv_cache_heads`: per layer, (regime, KV heads, head_dim) of the cache
+    it owns, or None. n_pages None is auto: CUDA_AUTO_N_PAGES on CUDA; elsewhere enough pages for
+    `max_batch_size` sequences of `max_seq_length`, cut to what fits in CPU_AUTO_MEMORY_FRACTION of the
+    free memory (one sequence at least).
+    """
+    # K and V bytes per token of each regime's pool, summed over the layers that own a cache
+    bytes_per_token = dict.fromkeys(sliding_windows, 0)
+    for heads in kv_heads:
+        if heads is not None:
+            regime, num_kv_heads, head_dim = heads
+            bytes_per_token[regime] += 2 * num_kv_heads * head_dim * dtype.itemsize
+
+    def pool_bytes(n: int) -> int:
+        return sum(
+            pool_pages(n, window, max_batch_size, page_size) * page_size * bytes_per_token[regime]
+            for regime, window in sliding_windows.items()
+        )
+
+    free_bytes = free_memory_bytes(device)
+    if n_pages is None and device.type == "cuda":
+        n_pages = CUDA_AUTO_N_PAGES
+    elif n_pages is None:
+        n_pages = max_batch_size * (max_seq_length // page_size) + 1
+        full_page_bytes = page_size * sum(bytes_per_token[r] for r, window in sliding_windows.items() if window is None)
+        if free_bytes is not None and full_page_bytes:
+            # the sliding-window pools are counted at their largest, so this errs on the small side
+            budget = CPU_AUTO_MEMORY_FRACTION * free_bytes - (pool_bytes(n_pages) - n_pages * full_page_bytes)
+            n_pages = min(n_pages, max(max_seq_length // page_size + 1, int(budget // full_page_bytes)))
+    needed_bytes = pool_bytes(n_pages)
+    if free_bytes is not None and needed_bytes > free_bytes:
+        raise FlexInferenceError(
+            f"the KV pool (n_pages {n_pages} x page_size {page_size} tokens in every layer) needs "
+            f"{needed_bytes / 1e9:.3g} GB but {device} has {free_bytes / 1e9:.3g} GB free: lower n_pages, "
+            "or max_seq_length",
+            "n_pages",
+            "page_size",
+            "max_seq_length",
+        )
+    return {regime: pool_pages(n_pages, w, max_batch_size, page_size) for regime, w in sliding_windows.items()}
+
+
+def free_memory_bytes(device: torch.device) -> int | None:
+    """Bytes `device` can still allocate, None where unknown: on CUDA the driver's free memory plus
+    what PyTorch's caching allocator holds unused; on the CPU the kernel's MemAvailable (or the
+    container's cgroup room, when smaller)."""
+    if device.type == "cuda":
+        free_bytes, _ = torch.cuda.mem_get_info(device)
+        return free_bytes + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if device.type != "cpu":
+        return None
+    try:
+        match = re.search(r"^MemAvailable:\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.MULTILINE)
+        free_bytes = int(match.group(1)) * 1024
+    except (OSError, AttributeError):
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError):
+            return None
+    with contextlib.suppress(OSError, ValueError):
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            free_bytes = min(free_bytes, int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
+    return free_bytes
+
+
 # ---------------------------------------------------------------------------------------------
 # Model runner: packed prefill, the decode step, CUDA graphs
 # ---------------------------------------------------------------------------------------------
@@ -923,7 +1015,7 @@ class ModelRunner:
     compiled by regions, or replayed from a CUDA graph per batch bucket).
 
     It patches the HF model's attention to attend over the paged cache and otherwise runs HF's own
-    decoder layers. The model-specific hooks (`attention_layers`, `build_kv_caches`,
+    decoder layers. The model-specific hooks (`attention_layers`, `kv_cache_heads`,
     `patch_attention`, `embed`, `layer_kwargs`, `prefill_hidden`, `logits`) serve Qwen3 and Llama;
     `Gemma4ModelRunner` overrides them.
     """
@@ -1016,14 +1108,21 @@ class ModelRunner:
     def attention_layers(self) -> list[nn.Module]:
         return [layer.self_attn for layer in self.decoder.layers]
 
+    @staticmethod
+    def kv_cache_heads(causal_lm: nn.Module) -> list[tuple[str, int, int] | None]:
+        """Per layer, the cache it owns: (the attention regime whose pool its pages come from, KV
+        heads, head_dim), or None for a layer that reads another layer's cache. Static: the engine
+        sizes the pools from it before the runner exists."""
+        num_kv_heads = causal_lm.config.num_key_value_heads
+        return [(FULL_ATTENTION, num_kv_heads, layer.self_attn.head_dim) for layer in causal_lm.model.layers]
+
     def build_kv_caches(self) -> list[PagedKVCache | None]:
-        """One paged cache per layer (None for a layer that reads another layer's cache)."""
-        pool = self.page_tables[FULL_ATTENTION]
+        """One paged cache per layer that owns one (`kv_cache_heads`), over its regime's pool."""
         return [
-            PagedKVCache(
-                pool.n_pages, self.page_size, self.config.num_key_value_heads, attn.head_dim, self.dtype, self.device
-            )
-            for attn in self.attention_layers()
+            None
+            if heads is None
+            else PagedKVCache(self.page_tables[heads[0]].n_pages, self.page_size, *heads[1:], self.dtype, self.device)
+            for heads in self.kv_cache_heads(self.causal_lm)
         ]
 
     def patch_attention(self) -> None:
@@ -2603,10 +2702,54 @@ PRESETS_DIR = Path(__file__).resolve().parent / "scripts" / "presets"
 
 
 def check_model_path(model_name: str) -> None:
-    """A local-looking path that does not exist fails here rather than as a hub lookup."""
-    looks_local = model_name.startswith((".", "/", "~")) or model_name.count("/") != 1
-    if looks_local and not os.path.exists(os.path.expanduser(model_name)):
+    """A local-looking path that does not exist fails here rather than as a hub lookup, and so does a
+    hub id that is not in the Hugging Face cache while the hub cannot be reached (transformers would
+    retry for over a minute before failing)."""
+    if os.path.exists(os.path.expanduser(model_name)):
+        return
+    if model_name.startswith((".", "/", "~")) or model_name.count("/") != 1:
         raise FlexInferenceError(f"model path {model_name} does not exist: pass a checkpoint folder or a hub id")
+    if is_in_hub_cache(model_name):
+        return
+    reason = hub_unreachable_reason()
+    if reason is not None:
+        raise FlexInferenceError(
+            f"{model_name} is not a local folder and not in the Hugging Face cache, and the hub cannot be reached "
+            f"({reason}): pass a checkpoint folder, or download it where the hub is reachable"
+        )
+
+
+def is_in_hub_cache(repo_id: str) -> bool:
+    """Whether the Hugging Face cache holds the config of hub model `repo_id`."""
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except ValueError:  # not a valid repo id
+        return False
+
+
+TRUE_VALUES = ("1", "ON", "YES", "TRUE")  # how huggingface_hub reads a boolean environment variable
+
+
+def hub_unreachable_reason(timeout_s: float = 2.0) -> str | None:
+    """Why the Hugging Face hub cannot be reached (offline mode, or no TCP connection to it, or to
+    the HTTPS proxy, within `timeout_s`); None when it can."""
+    from huggingface_hub import constants
+
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        if os.environ.get(name, "").upper() in TRUE_VALUES or (name == "HF_HUB_OFFLINE" and constants.HF_HUB_OFFLINE):
+            return f"{name} is set"
+    url = urllib.parse.urlparse(urllib.request.getproxies().get("https") or constants.ENDPOINT)
+    if url.hostname is None:
+        return None
+    address = (url.hostname, url.port or (443 if url.scheme == "https" else 80))
+    try:
+        # NOTE: the timeout does not bound the DNS lookup, which fails fast where there is no network.
+        socket.create_connection(address, timeout=timeout_s).close()
+    except OSError as error:
+        return f"no connection to {address[0]}:{address[1]}: {error.strerror or error}"
+    return None
 
 
 def preset_config_path(model_name: str) -> Path | None:
@@ -2622,6 +2765,7 @@ def load_config(model_name: str, trust_remote_code: bool = False, use_preset: bo
     preset = preset_config_path(model_name) if use_preset else None
     if preset is not None and not os.path.isdir(model_name):
         return AutoConfig.for_model(**json.loads(preset.read_text()))
+    check_model_path(model_name)
     try:
         return AutoConfig.from_pretrained(model_name, trust_remote_code=trust_remote_code)
     except OSError as error:
@@ -2673,7 +2817,7 @@ def load_causal_lm(
                 "load_format",
             )
         torch.manual_seed(seed)
-        with torch.device(device):
+        with torch.device(device), explain_out_of_memory(path, config, AutoModelForCausalLM, dtype, device, False):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
         return model.eval()
     check_model_path(path)
@@ -2689,8 +2833,11 @@ def load_causal_lm(
         )
         kwargs["device_map"] = {"": device.index or 0}
     try:
-        model = model_class.from_pretrained(path, **kwargs)
+        with explain_out_of_memory(path, None, model_class, dtype, device, load_in_4bit, trust_remote_code):
+            model = model_class.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as error:
+        if isinstance(error, FlexInferenceError):
+            raise
         first_line = str(error).strip().splitlines()[0]
         if "safetensors" in first_line or ".bin" in first_line or "pytorch_model" in first_line:
             raise FlexInferenceError(
@@ -2700,14 +2847,121 @@ def load_causal_lm(
             )
         raise FlexInferenceError(f"could not load {path}: {first_line}")
     if not load_in_4bit:
-        model = model.to(device)
+        with explain_out_of_memory(path, model.config, model_class, dtype, device, load_in_4bit):
+            model = model.to(device)
     return model.eval()
 
 
+@contextlib.contextmanager
+def explain_out_of_memory(path, config, model_class, dtype, device, load_in_4bit, trust_remote_code=False):
+    """Turns running out of memory while the weights load into one sentence: about how many GB they
+    need (from `config`, or the checkpoint's own when None), and what lowers it."""
+    try:
+        yield
+    except (RuntimeError, MemoryError) as error:
+        message = str(error)
+        if not (isinstance(error, (torch.OutOfMemoryError, MemoryError)) or "not enough memory" in message):
+            raise
+        as_what = "in 4 bits" if load_in_4bit else f"as {str(dtype).removeprefix('torch.')}"
+        num_params = count_parameters(path, config, model_class, trust_remote_code)
+        size = f"do not fit {as_what} in the memory {device} has free"
+        if num_params is not None:
+            num_bytes = num_params * (0.5 if load_in_4bit else dtype.itemsize)
+            size = f"need about {num_bytes / 1e9:.3g} GB {as_what}, more than {device} has free"
+        if load_in_4bit:
+            raise FlexInferenceError(f"the weights of {path} {size}: pick a GPU with more free memory") from None
+        raise FlexInferenceError(
+            f"the weights of {path} {size}: pick a smaller dtype, or load_in_4bit on CUDA", "dtype", "load_in_4bit"
+        ) from None
+
+
+def count_parameters(path, config, model_class, trust_remote_code: bool = False) -> int | None:
+    """The model's parameter count, from a build on the meta device (no memory); None if that fails."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        if config is None:
+            config = load_config(path, trust_remote_code, use_preset=False)
+        with torch.device("meta"):
+            if model_class is AutoModelForCausalLM:
+                model = AutoModelForCausalLM.from_config(config)
+            else:
+                model = model_class(config)
+    except Exception:  # an estimate for an error message: without it the message only drops the number
+        return None
+    return sum(param.numel() for param in model.parameters())
+
+
+def load_qwen3_llama(path: str, dtype: torch.dtype, device: torch.device, **load_kwargs) -> nn.Module:
+    """load_causal_lm for this engine (`load_kwargs` as for it), refusing a Gemma-4 checkpoint
+    before its weights load."""
+    is_dummy = load_kwargs.get("load_format") == "dummy"
+    config = load_config(path, load_kwargs.get("trust_remote_code", False), use_preset=is_dummy)
+    if config.model_type.startswith("gemma4"):
+        raise FlexInferenceError(
+            f"{path} is a {config.model_type} checkpoint, not Qwen3/Llama: run it with gemma4_flex_inference.py"
+        )
+    return load_causal_lm(path, dtype, device, **load_kwargs)
+
+
 def load_peft_adapter(model: nn.Module, adapter_path: str):
+    """The PEFT adapter at `adapter_path` on `model`, refused when it was made for another model: its
+    weights' modules are missing or shaped otherwise, or its target_modules select modules it has no
+    weights for (PEFT would only warn, and leave those modules unadapted)."""
     from peft import PeftModel
 
-    return PeftModel.from_pretrained(model, adapter_path, is_trainable=False)
+    weights = read_adapter_weights(adapter_path)
+    check_adapter_weights_fit(model, weights, adapter_path)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Found missing adapter keys")  # refused just below
+        peft_model = PeftModel.from_pretrained(model, adapter_path, is_trainable=False)
+    if weights:
+        adapted = {lora_module_name(key) for key in weights}
+        targets = [name for name, module in peft_model.named_modules() if len(getattr(module, "lora_A", ()))]
+        missing = [name for name in map(lora_module_name, targets) if name not in adapted]
+        if missing:
+            raise FlexInferenceError(
+                f"the adapter at {adapter_path} does not fit this model: its target_modules select {missing[0]} "
+                f"here ({len(missing)} modules in all), which it has no weights for"
+            )
+    return peft_model
+
+
+def read_adapter_weights(adapter_path: str) -> dict[str, torch.Tensor]:
+    """The adapter's safetensors weights by PEFT's saved names; empty when it has none."""
+    from safetensors.torch import load_file
+
+    weights_path = Path(adapter_path) / "adapter_model.safetensors"
+    return load_file(weights_path) if weights_path.exists() else {}
+
+
+def lora_module_name(key: str) -> str:
+    """The module a saved adapter weight adapts: base_model.model.<module>.lora_A.weight -> <module>."""
+    return key.removeprefix("base_model.model.").split(".lora_")[0]
+
+
+def check_adapter_weights_fit(model: nn.Module, weights: dict[str, torch.Tensor], adapter_path: str) -> None:
+    """Before PEFT wraps `model`: every module the adapter's lora_A / lora_B weights adapt exists, and
+    lora_A [r, in_features] and lora_B [out_features, r] match its features."""
+    modules = dict(model.named_modules())
+    for key, weight in weights.items():
+        name, part = lora_module_name(key), key.partition(".lora_")[2][:2]
+        if part not in ("A.", "B."):
+            continue  # embedding LoRA, DoRA magnitudes: left to PEFT
+        module = modules.get(name)
+        if module is None:
+            raise FlexInferenceError(
+                f"the adapter at {adapter_path} does not fit this model: it adapts {name}, which the model lacks"
+            )
+        in_features, out_features = getattr(module, "in_features", None), getattr(module, "out_features", None)
+        if in_features is None or out_features is None:
+            continue  # not a linear layer: left to PEFT
+        features = weight.shape[-1] if part == "A." else weight.shape[0]
+        if weight.dim() != 2 or features != (in_features if part == "A." else out_features):
+            raise FlexInferenceError(
+                f"the adapter at {adapter_path} does not fit this model: {name}.lora_{part[0]} has shape "
+                f"{tuple(weight.shape)}, but {name} maps {in_features} features to {out_features} here"
+            )
 
 
 def load_lora(model: nn.Module, adapter_path: str, load_adapter=None) -> nn.Module:
@@ -2717,6 +2971,8 @@ def load_lora(model: nn.Module, adapter_path: str, load_adapter=None) -> nn.Modu
         raise FlexInferenceError(f"LoRA adapter folder {adapter_path} does not exist")
     try:
         peft_model = (load_adapter or load_peft_adapter)(model, adapter_path)
+    except FlexInferenceError:
+        raise
     except (ValueError, KeyError, RuntimeError) as error:
         raise FlexInferenceError(
             f"the adapter at {adapter_path} does not fit this model: {str(error).strip().splitlines()[0]}"
@@ -2743,11 +2999,19 @@ def main(argv=None) -> None:
     args = build_arg_parser(
         "unsloth/Qwen3-4B-Base", "Rollouts (greedy or sampled) for Qwen3 / Llama-3.2 on flex_attention."
     ).parse_args(argv)
-    run_cli(args)
+    run_cli(args, load_model=load_qwen3_llama)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help with each flag's default appended, unless its help says what the default is itself (a
+    --no_x flag, whose stored default True would read backwards; an automatic default shown as None)."""
+
+    def _get_help_string(self, action):
+        return action.help if "default" in (action.help or "") else super()._get_help_string(action)
 
 
 def build_arg_parser(default_model_name: str, description: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=description, formatter_class=HelpFormatter)
     p.add_argument("--model_name", default=default_model_name, help="Hugging Face hub id or local checkpoint folder")
     p.add_argument(
         "--device", choices=["auto", "cuda", "cpu"], default="auto", help="where to run (auto: CUDA if available)"
@@ -2770,7 +3034,14 @@ def build_arg_parser(default_model_name: str, description: str) -> argparse.Argu
         default=2048,
         help="prompt + completion tokens per sequence at most (a multiple of page_size)",
     )
-    p.add_argument("--n_pages", type=int, default=2048, help="pages in the KV pool (page 0 is reserved)")
+    p.add_argument(
+        "--n_pages",
+        type=int,
+        default=None,
+        help=f"pages in the KV pool, page 0 reserved (default: auto: {CUDA_AUTO_N_PAGES} on CUDA; on the CPU "
+        "enough for max_batch_size sequences of max_seq_length, within "
+        f"{CPU_AUTO_MEMORY_FRACTION * 100:.0f}%% of the free RAM); a pool larger than the free memory is refused",
+    )
     p.add_argument("--page_size", type=int, default=128, help="tokens per KV page")
     p.add_argument("--capture_cudagraph", action="store_true", help="decode through CUDA graphs, one per batch bucket")
     p.add_argument(
@@ -2786,8 +3057,8 @@ def build_arg_parser(default_model_name: str, description: str) -> argparse.Argu
     )
     p.add_argument(
         "--no_skinny_gemms", dest="skinny_gemms", action="store_false",
-        help="cuBLAS for every GEMM; by default decode's few-row GEMMs race a Triton kernel against cuBLAS "
-        "per weight shape on the GPU and keep the faster",
+        help="cuBLAS for every GEMM (default: off, so decode's few-row GEMMs race a Triton kernel against cuBLAS "
+        "per weight shape on the GPU and keep the faster)",
     )  # fmt: skip
     p.add_argument("--lora_adapter", default=None, help="PEFT LoRA adapter folder, merged with the double-copy refresh")
     p.add_argument(
@@ -2808,7 +3079,8 @@ def build_arg_parser(default_model_name: str, description: str) -> argparse.Argu
         "--fa4_prefill",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="prefill with flex_attention's FLASH backend (default: only where it is supported)",
+        help="prefill with flex_attention's FLASH backend, flash-attn-4 (default: auto, on wherever it can run: "
+        "CUDA capability 9.x or 10.x, flash_attn installed, head_dim <= 256; --no-fa4_prefill: always Triton)",
     )
     p.add_argument(
         "--decode_kernel_options",
@@ -3067,8 +3339,9 @@ def print_summary(stats: dict, args, is_random: bool) -> None:
     """The run in a few lines on stdout: start-up apart from the timed rounds, what tok/s counts,
     length cuts, and the first completions."""
     on_ranks = f" on {stats['world_size']} ranks" if "world_size" in stats else ""
+    n = stats["sampling"]["n"]
     print(
-        f"{stats['backend']}: {stats['n_prompts']} prompts x {stats['sampling']['n']} completion{'s' if stats['sampling']['n'] > 1 else ''}{on_ranks}, "
+        f"{stats['backend']}: {stats['n_prompts']} prompts x {n} completion{'s' * (n > 1)}{on_ranks}, "
         f"{stats['n_decoded_tokens']} new tokens a round, peak {stats['peak_memory_gb']:.2f} GB"
     )
     capture = f", CUDA graphs captured in {stats['capture_s']:.1f} s" if stats.get("capture_s") else ""

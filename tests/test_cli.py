@@ -545,3 +545,9 @@ def test_grpo_template_keeps_a_prompt_s_own_system_turn(tiny_dir):
     assert "Answer in French." in text and qwen3_flex_inference.GRPO_SYSTEM_PROMPT not in text, text
     plain = qwen3_flex_inference.format_prompt(tokenizer, "2 + 2?", "grpo")
     assert qwen3_flex_inference.GRPO_SYSTEM_PROMPT in plain, plain
+
+
+def test_quiet_leaves_stderr_empty(tiny_dir, capsys):
+    qwen3_flex_inference.main(cli_argv(tiny_dir / "qwen3", "--lora_adapter", str(tiny_dir / "qwen3" / "lora")))
+    out, err = capsys.readouterr()
+    assert err == "" and "completion 1: " in out, f"{err=}"

@@ -167,8 +167,9 @@ def test_torchrun_cli_stats_hold_per_rank_and_total_throughput(cli_run):
 
 def test_torchrun_cli_prints_only_on_rank_0(cli_run):
     result = cli_run["result"]
-    summaries = [line for line in result.stdout.splitlines() if "prompts on 2 ranks" in line]
+    summaries = [line for line in result.stdout.splitlines() if " on 2 ranks, " in line]
     assert len(summaries) == 1, f"summary lines {summaries!r}; stdout={result.stdout!r}"
+    assert result.stdout.count("start-up: ") == 1 and result.stdout.count("completion 1: ") == 1, result.stdout
     loaded = [line for line in result.stderr.splitlines() if line.startswith("loaded ")]
     assert len(loaded) == 1, f"'loaded' lines {loaded!r}"
 

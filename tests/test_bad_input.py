@@ -1,0 +1,324 @@
+"""Bad input that used to escape as a traceback, a long wait or a silent success: each now ends the
+CLI with one sentence and a non-zero exit (or, in the library, one FlexInferenceError).
+
+Everything runs in this process on the tiny checkpoints and stops before generating; nothing here
+touches the network (the hub's reachability is patched, or offline mode set).
+"""
+
+import json
+import shutil
+import socket
+
+import pytest
+import torch
+
+import gemma4_flex_inference
+import qwen3_flex_inference
+from qwen3_flex_inference import FlexInference, FlexInferenceError
+
+LIMITS = [
+    "--device", "cpu",
+    "--n_prompts", "1",
+    "--n_rounds", "1",
+    "--max_new_tokens", "4",
+    "--max_batch_size", "2",
+    "--max_seq_length", "256",
+    "--page_size", "16",
+    "--quiet",
+]  # fmt: skip
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def cli_argv(model_name, *extra):
+    return ["--model_name", str(model_name), *LIMITS, *extra]
+
+
+def exit_message(module, argv) -> str:
+    """Runs `module.main(argv)` in process; it must exit with a message (exit status 1)."""
+    with pytest.raises(SystemExit) as info:
+        module.main(argv)
+    code = info.value.code
+    # A str code makes Python print it to stderr and exit with status 1; None or 0 would be success.
+    assert isinstance(code, str), f"main({argv}) exited with {code!r}, not with a message"
+    return code
+
+
+def assert_one_sentence(message: str, *keywords) -> None:
+    assert message.strip() and "\n" not in message.strip(), f"not one line: {message!r}"
+    assert "Traceback" not in message, f"exit message holds a traceback: {message!r}"
+    for keyword in keywords:
+        assert keyword in message, f"{keyword!r} not in exit message {message!r}"
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. A checkpoint given to the other engine's CLI
+# ---------------------------------------------------------------------------------------------
+
+
+def test_qwen3_checkpoint_given_to_the_gemma4_cli_exits_naming_the_qwen3_cli(tiny_dir):
+    model_dir = tiny_dir / "qwen3"
+    message = exit_message(gemma4_flex_inference, cli_argv(model_dir))
+    assert_one_sentence(message, f"{model_dir} is a qwen3 checkpoint, not Gemma-4", "qwen3_flex_inference.py")
+
+
+@pytest.mark.parametrize("checkpoint, model_type", [("gemma4", "gemma4"), ("gemma4_text", "gemma4_text")])
+def test_gemma4_checkpoint_given_to_the_qwen3_cli_exits_naming_the_gemma4_cli(tiny_dir, checkpoint, model_type):
+    model_dir = tiny_dir / checkpoint
+    message = exit_message(qwen3_flex_inference, cli_argv(model_dir))
+    assert_one_sentence(
+        message, f"{model_dir} is a {model_type} checkpoint, not Qwen3/Llama", "gemma4_flex_inference.py"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. A KV pool or weights that do not fit in memory; the CPU's automatic pool size
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def qwen3_model(tiny_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_dir / "qwen3", dtype=torch.float32).eval()
+
+
+def kv_bytes_per_token(model) -> int:
+    config = model.config
+    return config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * 4  # float32
+
+
+def test_kv_pool_larger_than_the_free_memory_exits_saying_how_many_gb_and_to_lower_n_pages(tiny_dir, monkeypatch):
+    monkeypatch.setattr(qwen3_flex_inference, "free_memory_bytes", lambda device: 10**6)
+    message = exit_message(qwen3_flex_inference, cli_argv(tiny_dir / "qwen3", "--n_pages", "4096"))
+    # tiny Qwen3: 2 layers x K and V x 2 heads x head_dim 16 x 4 bytes = 512 bytes per token
+    want_gb = f"{4096 * 16 * 512 / 1e9:.3g} GB"
+    assert_one_sentence(
+        message, "KV pool", "--n_pages 4096 x --page_size 16", want_gb, "0.001 GB free", "lower --n_pages"
+    )
+
+
+def test_kv_pool_is_checked_before_anything_is_allocated(qwen3_model, monkeypatch):
+    monkeypatch.setattr(qwen3_flex_inference, "free_memory_bytes", lambda device: 10**6)
+    monkeypatch.setattr(qwen3_flex_inference, "PageTable", None)  # calling it would raise TypeError
+    with pytest.raises(FlexInferenceError, match="KV pool") as info:
+        FlexInference(qwen3_model, None, max_batch_size=2, max_seq_length=256, n_pages=10**8, page_size=16)
+    assert "n_pages" in info.value.params, info.value.params
+
+
+def test_cli_n_pages_defaults_to_auto():
+    args = qwen3_flex_inference.build_arg_parser("unused", "unused").parse_args([])
+    assert args.n_pages is None, args.n_pages
+
+
+def test_auto_n_pages_on_cpu_holds_max_batch_size_sequences_when_memory_allows(qwen3_model):
+    engine = FlexInference(qwen3_model, None, max_batch_size=4, max_seq_length=256, n_pages=None, page_size=16)
+    got = engine.runner.page_tables["full_attention"].n_pages
+    want = 4 * 256 // 16 + 1
+    assert got == want, f"{got=} {want=}"
+    assert engine.runner.kv_caches[0].k_cache.shape[2] == want * 16, engine.runner.kv_caches[0].k_cache.shape
+
+
+def test_auto_n_pages_on_cpu_is_cut_to_a_fraction_of_the_free_memory(qwen3_model, monkeypatch):
+    page_bytes = 16 * kv_bytes_per_token(qwen3_model)
+    free_bytes = 100 * page_bytes
+    monkeypatch.setattr(qwen3_flex_inference, "free_memory_bytes", lambda device: free_bytes)
+    engine = FlexInference(qwen3_model, None, max_batch_size=32, max_seq_length=256, n_pages=None, page_size=16)
+    got = engine.runner.page_tables["full_attention"].n_pages
+    want = int(qwen3_flex_inference.CPU_AUTO_MEMORY_FRACTION * free_bytes // page_bytes)
+    assert got == want and want < 32 * 256 // 16 + 1, f"{got=} {want=}"
+
+
+def test_auto_n_pages_keeps_one_sequence_and_refuses_when_even_that_does_not_fit(qwen3_model, monkeypatch):
+    monkeypatch.setattr(qwen3_flex_inference, "free_memory_bytes", lambda device: 10)
+    with pytest.raises(FlexInferenceError, match=r"n_pages 17 x page_size 16 .* lower n_pages, or max_seq_length"):
+        FlexInference(qwen3_model, None, max_batch_size=4, max_seq_length=256, n_pages=None, page_size=16)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+        RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: not enough memory: you tried to allocate 8"
+        ),
+    ],
+    ids=["cuda", "cpu"],
+)
+def test_weights_out_of_memory_exit_saying_how_many_gb_and_what_lowers_it(tiny_dir, qwen3_model, monkeypatch, error):
+    from transformers import AutoModelForCausalLM
+
+    def from_pretrained(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    message = exit_message(qwen3_flex_inference, cli_argv(tiny_dir / "qwen3", "--dtype", "float32"))
+    num_params = sum(param.numel() for param in qwen3_model.parameters())
+    want_gb = f"need about {num_params * 4 / 1e9:.3g} GB as float32"
+    assert_one_sentence(message, f"the weights of {tiny_dir / 'qwen3'} {want_gb}", "smaller --dtype", "--load_in_4bit")
+
+
+def test_other_runtime_errors_while_loading_are_not_taken_for_out_of_memory(tiny_dir, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    def from_pretrained(*args, **kwargs):
+        raise RuntimeError("something else broke")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    with pytest.raises(RuntimeError, match="something else broke"):
+        qwen3_flex_inference.load_causal_lm(str(tiny_dir / "qwen3"), torch.float32, torch.device("cpu"))
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. A LoRA adapter made for another model
+# ---------------------------------------------------------------------------------------------
+
+
+def save_qwen3_adapter(tiny_dir, folder, **config_changes):
+    """A LoRA adapter (the tiny adapters' targets) trained, so to speak, on the tiny Qwen3 with
+    `config_changes`; saved as PEFT saves it."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config_dict = json.loads((tiny_dir / "qwen3" / "config.json").read_text())
+    config_dict.pop("layer_types", None)  # derived from num_hidden_layers again
+    config = AutoConfig.for_model(**{**config_dict, **config_changes})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    lora_config = LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS, lora_dropout=0.0, task_type="CAUSAL_LM")
+    get_peft_model(model, lora_config).save_pretrained(folder)
+    return folder
+
+
+def test_adapter_with_other_shapes_exits_naming_the_module_and_shapes(tiny_dir, tmp_path):
+    adapter = save_qwen3_adapter(tiny_dir, tmp_path / "narrow", hidden_size=32)
+    message = exit_message(qwen3_flex_inference, cli_argv(tiny_dir / "qwen3", "--lora_adapter", str(adapter)))
+    # the first weight PEFT saves is layer 0's down_proj: lora_B [out_features 32, r 4] against 64 here
+    assert_one_sentence(
+        message,
+        f"the adapter at {adapter} does not fit this model",
+        "model.layers.0.mlp.down_proj.lora_B has shape (32, 4)",
+        "maps 128 features to 64 here",
+    )
+
+
+def test_adapter_for_a_deeper_model_exits_naming_a_module_the_model_lacks(tiny_dir, tmp_path):
+    adapter = save_qwen3_adapter(tiny_dir, tmp_path / "deeper", num_hidden_layers=3)
+    message = exit_message(qwen3_flex_inference, cli_argv(tiny_dir / "qwen3", "--lora_adapter", str(adapter)))
+    assert_one_sentence(message, "does not fit this model", "it adapts model.layers.2.", "which the model lacks")
+
+
+def test_adapter_for_a_shallower_model_exits_naming_a_module_it_has_no_weights_for(tiny_dir, tmp_path):
+    adapter = save_qwen3_adapter(tiny_dir, tmp_path / "shallower", num_hidden_layers=1)
+    message = exit_message(qwen3_flex_inference, cli_argv(tiny_dir / "qwen3", "--lora_adapter", str(adapter)))
+    assert_one_sentence(
+        message, "does not fit this model", "its target_modules select model.layers.1.", "no weights for"
+    )
+
+
+def test_qwen3_adapter_given_to_the_gemma4_cli_exits_saying_it_does_not_fit(tiny_dir):
+    adapter = tiny_dir / "qwen3" / "lora"
+    message = exit_message(gemma4_flex_inference, cli_argv(tiny_dir / "gemma4_text", "--lora_adapter", str(adapter)))
+    assert_one_sentence(message, f"the adapter at {adapter} does not fit this model", "no weights for")
+
+
+def test_multimodal_gemma4_adapter_with_other_shapes_exits_naming_the_module_and_shapes(tiny_dir, tmp_path):
+    # The multimodal adapter's weights are renamed onto the text shell; the k_eq_v model's full
+    # attention layers have half as many KV features.
+    adapter = tmp_path / "multimodal_lora"
+    shutil.copytree(tiny_dir / "gemma4" / "lora", adapter)
+    argv = cli_argv(tiny_dir / "gemma4_text_keqv", "--lora_adapter", str(adapter))
+    message = exit_message(gemma4_flex_inference, argv)
+    assert_one_sentence(message, "does not fit this model", "k_proj.lora_B has shape", "features to")
+
+
+def test_matching_adapter_still_loads(tiny_dir, qwen3_model):
+    import copy
+
+    peft_model = qwen3_flex_inference.load_lora(copy.deepcopy(qwen3_model), str(tiny_dir / "qwen3" / "lora"))
+    num_lora_weights = sum("lora_" in name for name, _ in peft_model.named_parameters())
+    assert num_lora_weights == 2 * 7 * qwen3_model.config.num_hidden_layers, num_lora_weights
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. A hub id that is neither local nor cached, with the hub out of reach
+# ---------------------------------------------------------------------------------------------
+
+UNKNOWN_HUB_ID = "no-such-org/no-such-model-for-flex-rollouts"
+
+
+def test_unknown_hub_id_with_the_hub_unreachable_exits_at_once_with_one_sentence(monkeypatch):
+    monkeypatch.setattr(qwen3_flex_inference, "hub_unreachable_reason", lambda: "no network in this test")
+    message = exit_message(qwen3_flex_inference, cli_argv(UNKNOWN_HUB_ID))
+    assert_one_sentence(
+        message,
+        f"{UNKNOWN_HUB_ID} is not a local folder and not in the Hugging Face cache, and the hub cannot be reached",
+        "no network in this test",
+    )
+
+
+def test_hf_hub_offline_makes_the_hub_unreachable_without_opening_a_socket(monkeypatch):
+    def create_connection(*args, **kwargs):
+        raise AssertionError("offline mode opened a connection")
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(socket, "create_connection", create_connection)
+    message = exit_message(gemma4_flex_inference, cli_argv(UNKNOWN_HUB_ID))
+    assert_one_sentence(message, "not in the Hugging Face cache", "(HF_HUB_OFFLINE is set)")
+
+
+def test_hub_reachability_is_a_connection_with_a_timeout(monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "https://huggingface.co")
+    for name in ("https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    calls = []
+
+    def create_connection(address, timeout=None):
+        calls.append((address, timeout))
+        raise OSError(101, "Network is unreachable")
+
+    monkeypatch.setattr(socket, "create_connection", create_connection)
+    reason = qwen3_flex_inference.hub_unreachable_reason()
+    assert calls == [(("huggingface.co", 443), 2.0)], calls
+    assert reason == "no connection to huggingface.co:443: Network is unreachable", reason
+
+
+def test_hub_id_in_the_cache_passes_the_check_while_offline(monkeypatch, tmp_path):
+    from huggingface_hub import constants
+
+    snapshot = tmp_path / ("models--" + UNKNOWN_HUB_ID.replace("/", "--"))
+    (snapshot / "refs").mkdir(parents=True)
+    (snapshot / "refs" / "main").write_text("0" * 40)
+    (snapshot / "snapshots" / ("0" * 40)).mkdir(parents=True)
+    (snapshot / "snapshots" / ("0" * 40) / "config.json").write_text("{}")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(qwen3_flex_inference, "hub_unreachable_reason", lambda: "no network in this test")
+    qwen3_flex_inference.check_model_path(UNKNOWN_HUB_ID)  # no error: transformers finds it in the cache
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. --help
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("module", [qwen3_flex_inference, gemma4_flex_inference], ids=["qwen3", "gemma4"])
+def test_help_says_what_each_default_means_for_no_skinny_gemms_fa4_prefill_and_n_pages(module, capsys):
+    with pytest.raises(SystemExit) as info:
+        module.main(["--help"])
+    assert info.value.code == 0, info.value.code
+    help_text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines anywhere
+
+    def flag_help(flag: str, next_flag: str) -> str:
+        start = help_text.index(flag + " ", help_text.index("options:"))
+        return help_text[start : help_text.index(next_flag, start)]
+
+    skinny = flag_help("--no_skinny_gemms", "--lora_adapter")
+    assert "(default: True)" not in skinny and "default: off" in skinny, skinny
+    fa4 = flag_help("--fa4_prefill,", "--decode_kernel_options")
+    assert "(default: None)" not in fa4 and "default: auto" in fa4, fa4
+    n_pages = flag_help("--n_pages N_PAGES", "--page_size")
+    assert "(default: None)" not in n_pages and "default: auto" in n_pages and "on the CPU" in n_pages, n_pages
