@@ -13,7 +13,8 @@ The file reads in the order a request travels:
 6. Kernels: compiled flex_attention and its options, the compile-shape policy, skinny decode
    GEMMs, rotary.
 7. The model patches (Qwen3/Llama attention, fused projections), the LoRA double-copy and drift
-   check, data parallel (one engine per torchrun rank), loaders, and last the CLI.
+   check, data parallel (one engine per torchrun rank), TRL's GRPOTrainer rollout function,
+   loaders, and last the CLI.
 
 Ideas taken from: PagedAttention (vLLM) for the paged KV cache; nano-vllm and flex-nano-vllm for
 the scheduler / model-runner split, the page table and turning a logical block mask into a
@@ -2692,6 +2693,114 @@ def generate_sharded(engine: FlexInference, sequences: list[Sequence], group=Non
     group this is `engine.generate(sequences)`."""
     generate_shard(engine, sequences, group, **generate_kwargs)
     return gather_outputs(sequences, group)
+
+
+# ---------------------------------------------------------------------------------------------
+# TRL: the engine as GRPOTrainer's rollout backend
+# ---------------------------------------------------------------------------------------------
+# GRPOTrainer(..., rollout_func=make_trl_rollout_func(engine)). TRL calls rollout_func(prompts,
+# trainer) with this process's slice of the generation batch: each prompt repeated num_generations
+# times in a row (its RepeatSampler's order), and wants one completion per entry back, in that order.
+
+
+def make_trl_rollout_func(
+    engine: FlexInference, sampling_params: SamplingParams | None = None, capture_cudagraph: bool = False
+):
+    """A `rollout_func` for TRL's `GRPOTrainer` that samples on `engine`.
+
+    At each new trainer step it syncs the weights first: `engine.refresh_lora()` when the trainer
+    trains a PEFT adapter (build the engine with `peft_model=` the trainer's model and `base_model=`
+    it too, so its frozen base weights are the pristine copy), `engine.load_weights` of the trainer's
+    parameters otherwise. Prompts are tokenized as TRL does (its chat template for conversational
+    prompts, its tokenizer with special tokens for text). Temperature, top-p, top-k, min-p, the
+    completion length and the number of completions (`num_generations`, `num_generations_eval` in
+    eval) come from the trainer's `GRPOConfig`; `sampling_params` gives the rest (seed, None: a new
+    one each call; stop_token_ids; ignore_eos). Returns TRL's `prompt_ids`, `completion_ids` and
+    per-token `logprobs` (log_softmax(logits / temperature) of each chosen token, as TRL computes
+    them). `capture_cudagraph` decodes with CUDA graphs (captured on the first call; the in-place
+    weight syncs keep them valid).
+    """
+    base_params = sampling_params or SamplingParams()
+    synced_step = [None]  # the trainer step whose weights the engine holds
+
+    def rollout_func(prompts: list, trainer) -> dict[str, list]:
+        if trainer.state.global_step != synced_step[0]:
+            sync_trainer_weights(engine, trainer.accelerator.unwrap_model(trainer.model))
+            synced_step[0] = trainer.state.global_step
+        num_generations = trainer.num_generations if trainer.model.training else trainer.num_generations_eval
+        # NOTE: a process's slice may cut a prompt group (several processes): then each entry is a prompt of its own.
+        is_grouped = len(prompts) % num_generations == 0 and all(
+            prompts[i] == prompts[i - i % num_generations] for i in range(len(prompts))
+        )
+        n = num_generations if is_grouped else 1
+        unique_ids = trl_prompt_ids(trainer, prompts[::n])
+        params = trl_sampling_params(trainer, base_params, n)
+        if params.seed is None:  # NOTE: every process's engine has the same seed; its index keeps their draws apart
+            params = dataclasses.replace(
+                params, seed=engine.seeds.getrandbits(60) + trainer.accelerator.process_index * 2**40
+            )
+        groups = engine.rollouts(unique_ids, params, capture_cudagraph)
+        return {
+            "prompt_ids": [ids for ids, group in zip(unique_ids, groups) for _ in group],
+            "completion_ids": [seq.output_ids for group in groups for seq in group],
+            "logprobs": [seq.output_logprobs for group in groups for seq in group],
+        }
+
+    return rollout_func
+
+
+def sync_trainer_weights(engine: FlexInference, trainer_model: nn.Module) -> None:
+    """Brings the engine's weights to the trainer's: re-merges the adapter, or copies every weight."""
+    is_peft = callable(getattr(trainer_model, "get_base_model", None))
+    if engine.peft_model is not None:
+        if engine.peft_model is not trainer_model:
+            raise FlexInferenceError("the engine's peft_model is not the trainer's model: build it with that model")
+        engine.refresh_lora()
+    elif is_peft:
+        raise FlexInferenceError(
+            "the trainer trains a PEFT adapter the engine does not know: wrap the model with get_peft_model "
+            "yourself and give it to the trainer and to the engine (peft_model=, base_model=)"
+        )
+    else:
+        engine.load_weights(trainer_model.named_parameters())
+
+
+def trl_prompt_ids(trainer, prompts: list) -> list[list[int]]:
+    """The prompts' token ids as GRPOTrainer builds them: its chat template with the generation
+    prompt for conversational prompts, its tokenizer (special tokens included) for text."""
+    from trl.data_utils import is_conversational
+
+    if trainer.tools:
+        raise FlexInferenceError("tool calling is not supported by the engine's TRL rollouts")
+    if not is_conversational({"prompt": prompts[0]}):
+        return trainer.processing_class(text=prompts)["input_ids"]
+    return trainer.processing_class.apply_chat_template(
+        conversation=prompts,
+        chat_template=trainer.chat_template,
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
+        **trainer.chat_template_kwargs,
+    )["input_ids"]
+
+
+def trl_sampling_params(trainer, base: SamplingParams, n: int) -> SamplingParams:
+    """`base` with the sampling of the trainer's GRPOConfig, `n` completions per prompt and their log-probs."""
+    if trainer.repetition_penalty != 1.0 or trainer.args.generation_kwargs:
+        raise FlexInferenceError(
+            "the engine's TRL rollouts support no repetition_penalty or generation_kwargs: leave them unset"
+        )
+    return dataclasses.replace(
+        base,
+        temperature=trainer.temperature,
+        top_p=trainer.top_p,
+        top_k=trainer.top_k or 0,
+        min_p=trainer.min_p or 0.0,
+        n=n,
+        max_new_tokens=trainer.max_completion_length,
+        stop_token_ids=tuple(base.stop_token_ids) + tuple(trainer.eos_token_ids),
+        logprobs=True,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
