@@ -73,3 +73,24 @@ def compiled_decode_regions() -> dict[str, int]:
 
     regions = {"prologue": ModelRunner._decode_prologue, "layer": call_layer, "epilogue": ModelRunner._decode_epilogue}
     return {region: compiled_variants(function) for region, function in regions.items()}
+
+
+# The CLIs' bad input: one sentence and a non-zero exit (tests/test_cli.py, tests/test_bad_input.py).
+
+
+def assert_one_sentence(message, *keywords) -> None:
+    assert isinstance(message, str) and message.strip(), f"exit message is not a non-empty str: {message!r}"
+    assert "\n" not in message.strip(), f"exit message spans several lines: {message!r}"
+    assert "Traceback" not in message, f"exit message holds a traceback: {message!r}"
+    for keyword in keywords:
+        assert keyword in message, f"{keyword!r} not in exit message {message!r}"
+
+
+def exit_message(module, argv) -> str:
+    """Runs `module.main(argv)` in process; it must exit with a message (exit status 1)."""
+    with pytest.raises(SystemExit) as info:
+        module.main(argv)
+    code = info.value.code
+    # A str code makes Python print it to stderr and exit with status 1; None or 0 would be success.
+    assert isinstance(code, str), f"main({argv}) exited with {code!r}, not with a message"
+    return code

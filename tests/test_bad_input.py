@@ -11,6 +11,7 @@ import socket
 
 import pytest
 import torch
+from conftest import assert_one_sentence, exit_message
 
 import gemma4_flex_inference
 import qwen3_flex_inference
@@ -31,23 +32,6 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 def cli_argv(model_name, *extra):
     return ["--model_name", str(model_name), *LIMITS, *extra]
-
-
-def exit_message(module, argv) -> str:
-    """Runs `module.main(argv)` in process; it must exit with a message (exit status 1)."""
-    with pytest.raises(SystemExit) as info:
-        module.main(argv)
-    code = info.value.code
-    # A str code makes Python print it to stderr and exit with status 1; None or 0 would be success.
-    assert isinstance(code, str), f"main({argv}) exited with {code!r}, not with a message"
-    return code
-
-
-def assert_one_sentence(message: str, *keywords) -> None:
-    assert message.strip() and "\n" not in message.strip(), f"not one line: {message!r}"
-    assert "Traceback" not in message, f"exit message holds a traceback: {message!r}"
-    for keyword in keywords:
-        assert keyword in message, f"{keyword!r} not in exit message {message!r}"
 
 
 # ---------------------------------------------------------------------------------------------

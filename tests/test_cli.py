@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import hf_greedy, load_hf
+from conftest import assert_one_sentence, exit_message, hf_greedy, load_hf
 
 import gemma4_flex_inference
 import qwen3_flex_inference
@@ -60,24 +60,6 @@ def run_cli(module, argv, stats_path: Path) -> dict:
         pytest.fail(f"{module.__name__}.main({argv}) exited: {error.code!r}")
     assert stats_path.is_file(), f"no stats written to {stats_path}"
     return json.loads(stats_path.read_text())
-
-
-def assert_one_sentence(message, *keywords) -> None:
-    assert isinstance(message, str) and message.strip(), f"exit message is not a non-empty str: {message!r}"
-    assert "\n" not in message.strip(), f"exit message spans several lines: {message!r}"
-    assert "Traceback" not in message, f"exit message holds a traceback: {message!r}"
-    for keyword in keywords:
-        assert keyword in message, f"{keyword!r} not in exit message {message!r}"
-
-
-def exit_message(module, argv) -> str:
-    """Runs `module.main(argv)` in process; it must exit with a message (exit status 1)."""
-    with pytest.raises(SystemExit) as info:
-        module.main(argv)
-    code = info.value.code
-    # A str code makes Python print it to stderr and exit with status 1; None or 0 would be success.
-    assert isinstance(code, str), f"main({argv}) exited with {code!r}, not with a message"
-    return code
 
 
 # Tests about the process itself -> the command line they run (`python ARGS`, cwd = repo root).
