@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks in one call; everything lands under $OUT (default: ./out).
-#   scripts/gpu_check.sh [kernels] [tests] [bench] [e2b] [profile] [gemv] [flex_decode] [rollouts...] [multi_gpu]
+#   scripts/gpu_check.sh [kernels] [tests] [bench] [e2b] [profile] [gemv] [flex_decode] [rollouts...] [sampling] [grpo] [trl] [multi_gpu]
 #   (no argument: kernels tests bench e2b profile; each phase must fit the 10-minute limit of one
 #   device call, so call it with one or two phases at a time)
 # kernels: which flex_attention kernel options work at head_dim 256/512 (prefill and decode)
@@ -28,6 +28,9 @@
 # rollouts_hf_compile: HF generate with a static cache and torch.compile (on torch 2.11 + transformers 5.17
 #                      it segfaulted at batch 64 in its first generate; HF_COMPILE_MODE=default did not
 #                      finish batch 64 in 220 s)
+# trl:                 TRL's GRPOTrainer (LoRA, 8 prompts x 8 completions of 256 tokens, bf16), rollouts on the engine's
+#                      fastest mode: TRL's sampling log-prob difference for the engine and for HF generate (tiny Gemma-4
+#                      and E2B shape), then the E2B step time against TRL's own generation (~8 min)
 # multi_gpu: data-parallel scaling, the e2b batch-64 graph run (64 prompts per GPU) through torchrun
 #            on 1 GPU and on every GPU of the host: total tok/s on N GPUs vs 1
 set -u -o pipefail
@@ -41,6 +44,12 @@ PY=${PYTHON:-python3}
 phases=${*:-kernels tests bench e2b profile}
 if ls .whl/bitsandbytes-*.whl >/dev/null 2>&1 && ! $PY -c "import bitsandbytes" 2>/dev/null; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+
+if ls .whl/trl/trl-*.whl >/dev/null 2>&1 && ! $PY -c "import trl" 2>/dev/null; then  # TRL and what it needs that the image lacks
+  wheels=".whl/trl/*.whl"
+  $PY -c "import pyarrow, sys; sys.exit(int(pyarrow.__version__.split('.')[0]) < 24)" 2>/dev/null || wheels="$wheels .whl/pyarrow/*.whl"
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site_trl $wheels && export PYTHONPATH=/tmp/site_trl${PYTHONPATH:+:$PYTHONPATH}
 fi
 
 run() {  # run NAME CMD...: logs the command, its status and its time
@@ -118,6 +127,15 @@ run() {  # run NAME CMD...: logs the command, its status and its time
       rollouts_hf_compile)
         run rollouts_hf_compile $PY -m scripts.benchmarks.bench_rollouts --batch_sizes 64 8 1 --systems hf_static_compile \
           --hf_compile_mode "${HF_COMPILE_MODE:-reduce-overhead}" --out "$OUT/rollouts_hf_compile.json" ;;
+      trl)
+        grpo="--device cuda --dtype bfloat16 --num_prompts 8 --num_generations 8 --max_completion_length 256"
+        fastest="--capture_cudagraph --compile_decode --fuse_projections"
+        e2b="--model_name unsloth/gemma-4-E2B-it --load_format dummy --tokenizer $tiny/gemma4"
+        run trl_tiny_gemma4_logprobs $PY -m scripts.grpo_trl --model_name $tiny/gemma4 $grpo $fastest --steps 3 --compare_logprobs \
+          --out "$OUT/trl_tiny_gemma4_logprobs.json"
+        run trl_e2b_logprobs $PY -m scripts.grpo_trl $e2b $grpo $fastest --steps 2 --compare_logprobs --out "$OUT/trl_e2b_logprobs.json"
+        run trl_e2b_engine $PY -m scripts.grpo_trl $e2b $grpo $fastest --steps 4 --out "$OUT/trl_e2b_engine.json"
+        run trl_e2b_hf $PY -m scripts.grpo_trl $e2b $grpo --backend hf --steps 4 --out "$OUT/trl_e2b_hf.json" ;;
       multi_gpu)
         num_gpus=$(nvidia-smi -L | wc -l)
         for n in $(printf '%s\n' 1 "$num_gpus" | sort -un); do

@@ -8,6 +8,7 @@ same tokens: the trainer's own per-token log-probs (`_get_per_token_logps_and_en
 TRL makes for it) against the engine's, mean |difference| over the completion tokens.
 """
 
+import json
 import math
 
 import pytest
@@ -25,6 +26,7 @@ from qwen3_flex_inference import (
     make_trl_rollout_func,
     sha256_of,
 )
+from scripts.grpo_trl import sampling_logp_difference
 
 pytest.importorskip("trl", reason="requirements.txt installs trl on Python >= 3.11 only")
 pytestmark = pytest.mark.filterwarnings("ignore:You are using 'rollout_func'")
@@ -47,30 +49,6 @@ def distinct_characters(completions, **kwargs) -> list[float]:
     return [float(len(set(text))) for text in texts]
 
 
-def trl_logprob_differences(trainer, output: dict) -> torch.Tensor:
-    """|trainer log-prob - engine log-prob| of every completion token, padded and scored as TRL does."""
-    from trl.trainer.utils import pad
-
-    pad_id = trainer.processing_class.pad_token_id
-
-    def padded(rows, value, side):
-        return pad([torch.tensor(row) for row in rows], padding_value=value, padding_side=side)
-
-    prompt_ids = padded(output["prompt_ids"], pad_id, "left")
-    completion_ids = padded(output["completion_ids"], pad_id, "right")
-    prompt_mask = padded([[1] * len(ids) for ids in output["prompt_ids"]], 0, "left")
-    completion_mask = padded([[1] * len(ids) for ids in output["completion_ids"]], 0, "right")
-    with torch.no_grad():
-        trainer_logps, _, _ = trainer._get_per_token_logps_and_entropies(
-            trainer.model,
-            torch.cat([prompt_ids, completion_ids], 1),
-            torch.cat([prompt_mask, completion_mask], 1),
-            completion_ids.size(1),
-        )
-    engine_logps = padded(output["logprobs"], 0.0, "right")
-    return (trainer_logps - engine_logps).abs()[completion_mask.bool()]
-
-
 class RecordingRollout:
     """The engine's rollout_func as TRL calls it, recording what the tests check at each call: TRL's
     own prompt ids, TRL's log-probs of the returned tokens, and after the second weight sync the
@@ -88,7 +66,9 @@ class RecordingRollout:
             prompts=prompts,
             output=output,
             trl_prompt_ids=trainer._tokenize_prompts(prompts)[0],
-            logprob_differences=trl_logprob_differences(trainer, output),
+            logprob_differences=sampling_logp_difference(
+                trainer, output["prompt_ids"], output["completion_ids"], output["logprobs"]
+            ),
         )
         if len(self.calls) == 1:  # the second sync: the engine holds the adapter after one optimizer step
             unique_ids = [list(ids) for ids in dict.fromkeys(tuple(ids) for ids in output["prompt_ids"])]
@@ -245,14 +225,28 @@ def test_full_fine_tuning_syncs_every_weight_through_load_weights(tiny_dir, tmp_
 
 
 @pytest.mark.parametrize("backend", ["engine", "hf"])
-def test_grpo_script_prints_trls_metrics_every_step(backend, capsys):
+def test_grpo_script_prints_trls_metrics_every_step(backend, capsys, tmp_path):
+    """The engine run also compares log-probs: TRL's sampling log-prob difference of the engine's
+    completions, and of HF generate's with its own log-probs, both in float32 here."""
     from scripts.grpo_trl import main
 
-    main(["--backend", backend, "--steps", "2", "--max_completion_length", "8", "--device", "cpu"])
+    compare = ["--compare_logprobs"] if backend == "engine" else []
+    out = tmp_path / "metrics.json"
+    main(
+        ["--backend", backend, "--steps", "2", "--max_completion_length", "8", "--device", "cpu", "--out", str(out)]
+        + compare
+    )
     lines = capsys.readouterr().out.splitlines()
     for step in (1, 2):
         line = next((line for line in lines if line.startswith(f"step {step}: ")), "")
         assert "loss=" in line and "reward=" in line and "step_time=" in line, f"{backend}: {lines=}"
+    report = json.loads(out.read_text())
+    assert [log["label"] for log in report["logs"]] == ["step 1", "step 2", "total"]
+    if backend == "engine":
+        assert [record["step"] for record in report["sampling_logp_difference"]] == [0, 1]
+        for record in report["sampling_logp_difference"]:
+            for sampler in ("engine", "hf_generate"):
+                assert record[sampler]["tokens"] > 0 and record[sampler]["mean"] < 1e-4, record
 
 
 def test_an_adapter_that_trl_wraps_itself_is_refused_with_one_sentence(tiny_dir, tmp_path):
