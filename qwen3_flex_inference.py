@@ -42,6 +42,7 @@ import re
 import socket
 import statistics
 import sys
+import tempfile
 import time
 import urllib.parse
 import urllib.request
@@ -175,12 +176,15 @@ class FlexInference:
     """Continuous-batching generation (greedy or sampled) with a paged KV cache and flex attention.
 
     `model` is a Hugging Face Qwen3/Llama causal LM (optionally inside a PEFT wrapper) on CUDA or
-    CPU. The engine composes a `Scheduler` (who runs, on which pages; CPU bookkeeping) and a
-    `ModelRunner` (the forward passes). With `peft_model`, the adapter's LoRA deltas are merged into
-    `model`'s target weights from a pristine copy (`refresh_lora()` after every optimizer step);
-    `base_model`, if given, holds those pristine weights already (e.g. a trainer's frozen base) so
-    nothing is copied. `n_pages` None sizes the KV pool to the device (`kv_pool_pages`); a pool
-    larger than the device's free memory is refused before it is allocated.
+    CPU, its linears in `model`'s dtype or in bitsandbytes 4-bit. The engine composes a `Scheduler`
+    (who runs, on which pages; CPU bookkeeping) and a `ModelRunner` (the forward passes). With
+    `peft_model`, the adapter's LoRA deltas are merged into `model`'s target weights from a pristine
+    copy (`refresh_lora()` after every optimizer step); `base_model`, if given, holds those pristine
+    weights already (e.g. a trainer's frozen base) so nothing is copied. 4-bit targets (or
+    `merge_lora=False`) take the adapter unmerged instead: beside each target, from the engine's own
+    copy of A and B, refreshed in place; the base weights are never written. `n_pages`
+    None sizes the KV pool to the device (`kv_pool_pages`); a pool larger than the device's free
+    memory is refused before it is allocated.
     """
 
     runner_class: type | None = None  # None: ModelRunner (Qwen3, Llama); FlexGemma4Inference sets its own
@@ -204,6 +208,7 @@ class FlexInference:
         fuse_projections: bool = False,
         skinny_gemms: bool = True,
         seed: int = 0,
+        merge_lora: bool | None = None,
     ):
         check_engine_limits(max_batch_size, max_seq_length, n_pages, page_size, max_new_tokens)
         self.model = model
@@ -214,6 +219,12 @@ class FlexInference:
         self.max_new_tokens = max_new_tokens
         self.end_ids = end_token_ids(self.causal_lm, tokenizer)
         device = next(self.causal_lm.parameters()).device
+        self.merge_lora = peft_model is not None and resolve_merge_lora(merge_lora, self.causal_lm, peft_model)
+        if fuse_projections and peft_model is not None and not self.merge_lora:
+            raise FlexInferenceError(
+                "fuse_projections needs merged LoRA weights; an unmerged adapter runs beside each projection",
+                "fuse_projections",
+            )
         sliding_windows = attention_regimes(self.config)
         runner_class = self.runner_class or ModelRunner
         pool_sizes = kv_pool_pages(
@@ -244,16 +255,20 @@ class FlexInference:
             compile_decode=compile_decode,
             fuse_projections=fuse_projections,
             skinny_gemms=skinny_gemms,
-            is_lora_merged=peft_model is not None,
+            is_lora_merged=self.merge_lora,
         )
         self.timings: dict[str, float] = {}
         self.seeds = random.Random(seed)  # the seeds of sequences that bring none
         self.peft_model = peft_model
-        self.lora_targets: dict[str, torch.Tensor] = {}
-        self.pristine_lora_weights: dict[str, torch.Tensor] = {}
+        self.lora_targets: dict[str, torch.Tensor] = {}  # merged: the inference weights the adapter is merged into
+        self.pristine_lora_weights: dict[str, torch.Tensor] = {}  # merged: their pristine copies
+        self.unmerged_lora: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # unmerged: (A, B) per target
         if peft_model is not None:
-            self.lora_targets = lora_target_weights(self.causal_lm, peft_model)
-            self.pristine_lora_weights = snapshot_pristine_lora_weights(self.lora_targets, base_model)
+            if self.merge_lora:
+                self.lora_targets = lora_target_weights(self.causal_lm, peft_model)
+                self.pristine_lora_weights = snapshot_pristine_lora_weights(self.lora_targets, base_model)
+            else:
+                self.unmerged_lora = attach_unmerged_lora(self.causal_lm, peft_model)
             self.refresh_lora()
 
     def prepare(self, sequences: list[Sequence]) -> None:
@@ -447,8 +462,33 @@ class FlexInference:
             self.timings["capture_s_per_graph"] = {f"{bucket} {mode}": s for (bucket, mode), s in graph_s.items()}
 
     def refresh_lora(self) -> None:
-        """Re-merges the PEFT model's current adapter into the inference weights (in place)."""
-        refresh_lora_merge_from_pristine(self.lora_targets, self.pristine_lora_weights, self.peft_model)
+        """Brings the PEFT model's current adapter into the engine, in place: re-merged from the
+        pristine weights, or copied beside them when unmerged."""
+        if self.merge_lora:
+            refresh_lora_merge_from_pristine(self.lora_targets, self.pristine_lora_weights, self.peft_model)
+        else:
+            refresh_unmerged_lora(self.unmerged_lora, self.peft_model)
+
+    def verify_no_drift(self, iterations: int = 5, seed: int = 0) -> dict:
+        """Perturbs the adapter `iterations` times with a refresh after each, restores it and
+        refreshes again: passes when the base weights never changed, every perturbation changed what
+        the engine applies, and the restored adapter applies bit-equal to the first. `covers` says
+        which path that was: the merged double-copy, or the unmerged adapter beside 4-bit weights."""
+        if self.peft_model is None:
+            raise FlexInferenceError("drift verification checks a LoRA refresh: build the engine with a peft_model")
+        if self.merge_lora:
+            applied, base = self.lora_targets, self.pristine_lora_weights
+            covers = "the merged double-copy: each target rebuilt as pristine + delta"
+        else:
+            applied = {f"{name}.{part}": w for name, pair in self.unmerged_lora.items() for part, w in zip("AB", pair)}
+            modules = dict(self.causal_lm.named_modules())
+            base = {name: getattr(modules[name], "base_layer", modules[name]).weight for name in self.unmerged_lora}
+            covers = (
+                "the unmerged adapter: A and B beside base weights that are never written "
+                "(the merged double-copy is not in use)"
+            )
+        result = run_drift_verification(applied, base, self.peft_model, self.refresh_lora, iterations, seed)
+        return {"covers": covers, **result}
 
     @torch.no_grad()
     def load_weights(self, named_tensors) -> None:
@@ -464,7 +504,7 @@ class FlexInference:
         weights = dict(self.causal_lm.named_parameters(remove_duplicate=False))
         is_lora_changed = False
         for name, tensor in named_tensors.items() if isinstance(named_tensors, dict) else named_tensors:
-            key = name.removeprefix("base_model.model.").replace("model.language_model.", "model.")
+            key = text_model_name(name)
             key = key if key in weights else key.replace(".weight", ".base_layer.weight")
             if key not in weights:
                 raise FlexInferenceError(f"the model has no weight named {name}")
@@ -2422,6 +2462,10 @@ def fuse_decoder_projections(decoder: nn.Module, is_lora_merged: bool) -> None:
             raise FlexInferenceError("fuse_projections needs merged LoRA weights", "fuse_projections")
         if any(getattr(linear, "base_layer", linear).bias is not None for linear in linears):
             raise FlexInferenceError("fuse_projections supports bias-free projections only", "fuse_projections")
+        if any(is_quantized_linear(linear) for linear in linears):
+            raise FlexInferenceError(
+                "fuse_projections needs float weights; 4-bit weights keep one GEMM per projection", "fuse_projections"
+            )
         if len(qkv) > 1:
             fuse_linears(attn, qkv, "fused_qkv_weight")
         fuse_linears(mlp, [mlp.gate_proj, mlp.up_proj], "fused_gate_up_weight")
@@ -2480,14 +2524,20 @@ def unwrap_causal_lm(model: nn.Module) -> nn.Module:
 # merge/unmerge cycle per training step drifts the base weights further every step.
 
 
+def text_model_name(name: str) -> str:
+    """A module's name in the text-only causal LM: PEFT's prefix stripped, and a multimodal Gemma-4's
+    `model.language_model.` read as the text model's `model.`."""
+    return name.removeprefix("base_model.model.").replace("model.language_model.", "model.")
+
+
 def lora_layers(peft_model: nn.Module) -> dict[str, nn.Module]:
-    """PEFT LoRA layers by the name of the module they adapt (PEFT's prefixes stripped)."""
+    """PEFT LoRA layers by the text-model name of the module they adapt (`text_model_name`)."""
     layers = {}
     for name, module in peft_model.named_modules():
         if hasattr(module, "lora_A") and hasattr(module, "base_layer") and len(module.lora_A) > 0:
             if getattr(module, "use_dora", {}) and any(module.use_dora.values()):
                 raise FlexInferenceError("DoRA adapters are not supported by the LoRA double-copy")
-            layers[name.removeprefix("base_model.model.")] = module
+            layers[text_model_name(name)] = module
     return layers
 
 
@@ -2507,7 +2557,7 @@ def snapshot_pristine_lora_weights(targets: dict[str, torch.Tensor], base_model:
     """Pristine copies of the LoRA-target weights only (views of `base_model`'s when it is given)."""
     if base_model is None:
         return {name: weight.detach().clone() for name, weight in targets.items()}
-    modules = dict(unwrap_causal_lm(base_model).named_modules())
+    modules = {text_model_name(name): module for name, module in unwrap_causal_lm(base_model).named_modules()}
     pristine = {}
     for name in targets:
         module = modules[name]
@@ -2538,6 +2588,67 @@ def refresh_lora_merge_from_pristine(
             layer.merged_adapters = [adapter]
 
 
+def is_quantized_linear(module: nn.Module) -> bool:
+    """True for a bitsandbytes 4-bit linear (its weight packed, not a float tensor)."""
+    return not getattr(module, "base_layer", module).weight.is_floating_point()
+
+
+def resolve_merge_lora(merge_lora: bool | None, causal_lm: nn.Module, peft_model: nn.Module) -> bool:
+    """Whether the adapter is merged: None merges unless a target is 4-bit (a merge would quantise
+    the delta away), where it is refused."""
+    modules = dict(causal_lm.named_modules())
+    is_quantized = any(is_quantized_linear(modules[name]) for name in lora_layers(peft_model) if name in modules)
+    if merge_lora and is_quantized:
+        raise FlexInferenceError(
+            "a LoRA adapter cannot be merged into 4-bit weights (the merge would quantise it away): "
+            "leave merge_lora unset",
+            "merge_lora",
+        )
+    return not is_quantized if merge_lora is None else merge_lora
+
+
+def attach_unmerged_lora(causal_lm: nn.Module, peft_model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Gives every module the adapter targets a forward of base(x) + (x A^T) B^T * scaling, PEFT's
+    own order of operations, with A [rank, in] and B [out, rank] held in the engine's own buffers
+    (in the model's dtype): in place refreshes keep captured CUDA graphs valid. A PEFT layer's own
+    adapter path is replaced (its base layer computes the base). Returns the buffers by module name."""
+    modules = dict(causal_lm.named_modules())
+    dtype = causal_lm.model.embed_tokens.weight.dtype
+    buffers = {}
+    for name, layer in lora_layers(peft_model).items():
+        module = modules.get(name)
+        if module is None:
+            raise FlexInferenceError(f"the adapter targets {name}, which the inference model does not have")
+        if layer.fan_in_fan_out:
+            raise FlexInferenceError(f"{name} stores its weight transposed (fan_in_fan_out): not supported")
+        adapter = layer.active_adapters[0]
+        weight_A, weight_B = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
+        device = causal_lm.model.embed_tokens.weight.device
+        lora_A_RI = torch.zeros(weight_A.shape, dtype=dtype, device=device)
+        lora_B_OR = torch.zeros(weight_B.shape, dtype=dtype, device=device)
+        module.base_forward = getattr(module, "base_layer", None) or module.forward
+        module.lora_A_RI, module.lora_B_OR, module.lora_scaling = lora_A_RI, lora_B_OR, layer.scaling[adapter]
+        module.forward = unmerged_lora_forward.__get__(module)
+        buffers[name] = (lora_A_RI, lora_B_OR)
+    return buffers
+
+
+def unmerged_lora_forward(self, x):
+    """Replaces a LoRA target's forward: the base product plus the adapter's, unmerged."""
+    lora_out = nn.functional.linear(nn.functional.linear(x, self.lora_A_RI), self.lora_B_OR) * self.lora_scaling
+    return self.base_forward(x) + lora_out
+
+
+@torch.no_grad()
+def refresh_unmerged_lora(buffers: dict, peft_model: nn.Module, adapter_name: str | None = None) -> None:
+    """Copies the adapter's A and B into the buffers (its scaling is fixed when they are attached)."""
+    for name, layer in lora_layers(peft_model).items():
+        adapter = adapter_name or layer.active_adapters[0]
+        lora_A_RI, lora_B_OR = buffers[name]
+        lora_A_RI.copy_(layer.lora_A[adapter].weight)
+        lora_B_OR.copy_(layer.lora_B[adapter].weight)
+
+
 def sha256_of(tensors: dict[str, torch.Tensor]) -> str:
     digest = hashlib.sha256()
     for name in sorted(tensors):
@@ -2548,11 +2659,11 @@ def sha256_of(tensors: dict[str, torch.Tensor]) -> str:
 
 @torch.no_grad()
 def run_drift_verification(
-    targets: dict, pristine: dict, peft_model: nn.Module, iterations: int = 5, seed: int = 0
+    targets: dict, pristine: dict, peft_model: nn.Module, refresh, iterations: int = 5, seed: int = 0
 ) -> dict:
-    """Perturbs the LoRA weights `iterations` times, refreshing each time; then restores the first
-    adapter. Passes when the pristine weights never changed and the restored merge is bit-equal
-    to the first one."""
+    """Perturbs the LoRA weights `iterations` times, calling `refresh` each time; then restores the
+    first adapter. Passes when the `pristine` weights never changed and the restored `targets` (what
+    the refresh writes) are bit-equal to the first ones."""
     generator = torch.Generator().manual_seed(seed)
     layers = lora_layers(peft_model)
     lora_params = {
@@ -2562,18 +2673,18 @@ def run_drift_verification(
     }
     first_adapter = {name: p.detach().clone() for name, p in lora_params.items()}
     pristine_before = sha256_of(pristine)
-    refresh_lora_merge_from_pristine(targets, pristine, peft_model)
+    refresh()
     merged_first = sha256_of(targets)
     merged_per_iteration = []
     for _ in range(iterations):
         for p in lora_params.values():
             noise = torch.randn(p.shape, generator=generator) * (p.float().std().item() + 1e-3)
             p.add_(noise.to(device=p.device, dtype=p.dtype))
-        refresh_lora_merge_from_pristine(targets, pristine, peft_model)
+        refresh()
         merged_per_iteration.append(sha256_of(targets))
     for name, p in lora_params.items():
         p.copy_(first_adapter[name])
-    refresh_lora_merge_from_pristine(targets, pristine, peft_model)
+    refresh()
     merged_restored = sha256_of(targets)
     pristine_after = sha256_of(pristine)
     result = {
@@ -2909,7 +3020,9 @@ def load_causal_lm(
 
     load_format "dummy" builds it from its config alone with random weights (seeded; for
     benchmarks). Weights come from safetensors unless `allow_pickle_weights` (pickles can run
-    code); `load_in_4bit` quantises them to bitsandbytes NF4 while loading (CUDA only).
+    code). `load_in_4bit` quantises every decoder linear to bitsandbytes NF4 while loading, with
+    `dtype` as the compute dtype (lm_head and the embeddings, tied or not, stay in `dtype`); a
+    checkpoint that is bitsandbytes 4-bit already loads as it is, with or without it.
     `config_hook` maps the config before a dummy build (e.g. to a multimodal config's text part).
     """
     from transformers import AutoModelForCausalLM
@@ -2919,28 +3032,21 @@ def load_causal_lm(
         config = load_config(path, trust_remote_code)
         if config_hook is not None:
             config = config_hook(config)
-        if load_in_4bit:
-            raise FlexInferenceError(
-                "load_in_4bit quantises real weights while loading; it cannot be combined with load_format dummy",
-                "load_in_4bit",
-                "load_format",
-            )
         torch.manual_seed(seed)
         with torch.device(device), explain_out_of_memory(path, config, AutoModelForCausalLM, dtype, device, False):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
+        if load_in_4bit:
+            return quantized_dummy(model, dtype, device, model_class)
         return model.eval()
     check_model_path(path)
     kwargs = dict(dtype=dtype, attn_implementation="eager", trust_remote_code=trust_remote_code)
     kwargs["use_safetensors"] = None if allow_pickle_weights else True
-    if load_in_4bit:
-        if device.type != "cuda":
-            raise FlexInferenceError("load_in_4bit needs a CUDA GPU (bitsandbytes NF4)", "load_in_4bit")
-        from transformers import BitsAndBytesConfig
-
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype
-        )
-        kwargs["device_map"] = {"": device.index or 0}
+    is_prequantized = is_bnb_4bit_checkpoint(load_config(path, trust_remote_code, use_preset=False))
+    if load_in_4bit or is_prequantized:
+        check_bnb_4bit(device)
+        if not is_prequantized:
+            kwargs["quantization_config"] = nf4_config(dtype)
+        kwargs["device_map"] = {"": device.index or 0} if device.type == "cuda" else {"": device.type}
     try:
         with explain_out_of_memory(path, None, model_class, dtype, device, load_in_4bit, trust_remote_code):
             model = model_class.from_pretrained(path, **kwargs)
@@ -2955,10 +3061,71 @@ def load_causal_lm(
                 "allow_pickle_weights",
             )
         raise FlexInferenceError(f"could not load {path}: {first_line}")
-    if not load_in_4bit:
+    if not (load_in_4bit or is_prequantized):
         with explain_out_of_memory(path, model.config, model_class, dtype, device, load_in_4bit):
             model = model.to(device)
+    fit_bnb_cpu_kernels(model)
     return model.eval()
+
+
+def nf4_config(compute_dtype: torch.dtype):
+    """bitsandbytes NF4 (no double quantisation: one float32 scale per 64 weights)."""
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute_dtype)
+
+
+def is_bnb_4bit_checkpoint(config) -> bool:
+    """True for a checkpoint saved in bitsandbytes 4-bit (its config names the quantisation)."""
+    quantization = getattr(config, "quantization_config", None) or {}
+    if not isinstance(quantization, dict):
+        quantization = quantization.to_dict()
+    return quantization.get("quant_method") == "bitsandbytes" and bool(quantization.get("load_in_4bit"))
+
+
+def check_bnb_4bit(device: torch.device) -> None:
+    """Refuses, in one sentence, a device the installed bitsandbytes cannot run 4-bit on."""
+    try:
+        import bitsandbytes.functional as bnb_functional
+
+        packed, state = bnb_functional.quantize_4bit(torch.ones(64, 64, device=device), quant_type="nf4")
+        bnb_functional.dequantize_4bit(packed, state)
+    except Exception as error:  # ImportError, or a backend without this device's kernels
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise FlexInferenceError(
+            f"4-bit weights need bitsandbytes with 4-bit kernels for {device.type}: {reason}", "load_in_4bit"
+        ) from None
+
+
+def fit_bnb_cpu_kernels(model: nn.Module) -> None:
+    """bitsandbytes repacks a 4-bit weight for its AVX512-BF16 CPU kernel at the first forward: that
+    kernel computes in bfloat16 (its scales too), and the repacking needs out_features divisible by
+    32 and in_features by the quantisation block. Linears computing in float32, or of other shapes,
+    keep the plain kernel (dequantise, then a float32 product)."""
+    for module in model.modules():
+        if getattr(module, "support_avx512bf16_for_cpu", False):
+            blocksize = module.weight.quant_state.blocksize
+            if module.compute_dtype == torch.float32 or module.out_features % 32 or module.in_features % blocksize:
+                module.support_avx512bf16_for_cpu = False
+
+
+def quantized_dummy(model: nn.Module, dtype: torch.dtype, device: torch.device, model_class) -> nn.Module:
+    """A random-weight model in 4 bits, quantised exactly as a real checkpoint is while loading:
+    saved, then loaded back through transformers' bitsandbytes path (benchmarks only)."""
+    check_bnb_4bit(device)
+    with tempfile.TemporaryDirectory(prefix="dummy_4bit_") as folder:
+        model.save_pretrained(folder)
+        del model
+        device_map = {"": device.index or 0} if device.type == "cuda" else {"": device.type}
+        quantized = model_class.from_pretrained(
+            folder,
+            dtype=dtype,
+            attn_implementation="eager",
+            quantization_config=nf4_config(dtype),
+            device_map=device_map,
+        )
+    fit_bnb_cpu_kernels(quantized)
+    return quantized.eval()
 
 
 @contextlib.contextmanager
@@ -2980,7 +3147,7 @@ def explain_out_of_memory(path, config, model_class, dtype, device, load_in_4bit
         if load_in_4bit:
             raise FlexInferenceError(f"the weights of {path} {size}: pick a GPU with more free memory") from None
         raise FlexInferenceError(
-            f"the weights of {path} {size}: pick a smaller dtype, or load_in_4bit on CUDA", "dtype", "load_in_4bit"
+            f"the weights of {path} {size}: pick a smaller dtype, or load_in_4bit", "dtype", "load_in_4bit"
         ) from None
 
 
@@ -3171,9 +3338,17 @@ def build_arg_parser(default_model_name: str, description: str) -> argparse.Argu
     )  # fmt: skip
     p.add_argument("--lora_adapter", default=None, help="PEFT LoRA adapter folder, merged with the double-copy refresh")
     p.add_argument(
-        "--no_merge_lora", action="store_true", help="keep the PEFT wrapper unmerged (adapter computed every forward)"
+        "--no_merge_lora",
+        action="store_true",
+        help="apply the adapter beside the weights (two small GEMMs per target) instead of merging it; "
+        "4-bit weights always take it so",
     )
-    p.add_argument("--load_in_4bit", action="store_true", help="quantise to bitsandbytes NF4 while loading (CUDA only)")
+    p.add_argument(
+        "--load_in_4bit",
+        action="store_true",
+        help="quantise the decoder's linears to bitsandbytes NF4 while loading, --dtype as compute dtype "
+        "(a checkpoint in bitsandbytes 4-bit loads as it is without it)",
+    )
     p.add_argument("--verify_no_drift", action="store_true", help="run the LoRA drift verification before generating")
     p.add_argument("--verify_iterations", type=int, default=5, help="adapter perturbations in the drift verification")
     p.add_argument("--stats_path", default=None, help="write run statistics as JSON here")
@@ -3283,10 +3458,6 @@ def check_cli_args(args) -> None:
             raise FlexInferenceError(f"--{flag} must be at least 1, got {getattr(args, flag)}")
     if args.verify_no_drift and args.lora_adapter is None:
         raise FlexInferenceError("--verify_no_drift checks a LoRA refresh: pass --lora_adapter too")
-    if args.lora_adapter is not None and args.load_in_4bit and not args.no_merge_lora:
-        raise FlexInferenceError("a LoRA adapter cannot be merged into 4-bit weights: add --no_merge_lora")
-    if args.verify_no_drift and args.no_merge_lora:
-        raise FlexInferenceError("--verify_no_drift checks the merged double-copy; drop --no_merge_lora")
     check_engine_limits(args.max_batch_size, args.max_seq_length, args.n_pages, args.page_size, args.max_new_tokens)
 
 
@@ -3325,7 +3496,7 @@ def run_rounds(args, engine_class, load_model, default_chat_template: str, load_
     peft_model = None
     if args.lora_adapter is not None:
         model = load_lora(model, args.lora_adapter, load_adapter)
-        peft_model = None if args.no_merge_lora else model
+        peft_model = model
     load_s = time.perf_counter() - start
     if is_dummy:
         _say(
@@ -3340,16 +3511,16 @@ def run_rounds(args, engine_class, load_model, default_chat_template: str, load_
         decode_kernel_options=decode_options,
         prefill_kernel_options=prefill_options,
         peft_model=peft_model,
+        merge_lora=False if args.no_merge_lora else None,
         **flags_of(args, ENGINE_FLAGS),
     )
     drift = None
     if args.verify_no_drift:
-        drift = run_drift_verification(
-            engine.lora_targets, engine.pristine_lora_weights, peft_model, args.verify_iterations, args.seed
-        )
+        drift = engine.verify_no_drift(args.verify_iterations, args.seed)
         _say(
             args,
-            f"drift verification: {'passed' if drift['passed'] else 'FAILED'} over {drift['iterations']} refreshes",
+            f"drift verification: {'passed' if drift['passed'] else 'FAILED'} over {drift['iterations']} refreshes "
+            f"of {drift['covers']}",
         )
 
     chat_template = default_chat_template if args.chat_template == "auto" else args.chat_template

@@ -138,8 +138,6 @@ def test_multimodal_checkpoint_and_plain_checkpoint_give_identical_tokens(tiny_d
 def test_lora_double_copy_equals_hf_peft_merged_and_drift_check_passes(tiny_dir):
     from peft import PeftModel
 
-    from qwen3_flex_inference import run_drift_verification
-
     path = tiny_dir / "gemma4_text"
     reference = PeftModel.from_pretrained(load_hf(path), path / "lora").merge_and_unload()
     peft_model = PeftModel.from_pretrained(load_hf(path), path / "lora")
@@ -148,7 +146,7 @@ def test_lora_double_copy_equals_hf_peft_merged_and_drift_check_passes(tiny_dir)
     want = hf_argmax_rollout(reference, prompts, MAX_NEW_TOKENS, engine.end_ids)
     got = [s.output_ids for s in engine.generate([Sequence(input_ids=ids) for ids in prompts])]
     assert got == want, f"{got=} {want=}"
-    drift = run_drift_verification(engine.lora_targets, engine.pristine_lora_weights, peft_model, iterations=3)
+    drift = engine.verify_no_drift(iterations=3)
     assert drift["passed"], drift
     got_again = [s.output_ids for s in engine.generate([Sequence(input_ids=ids) for ids in prompts])]
     assert got_again == want

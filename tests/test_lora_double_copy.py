@@ -87,28 +87,22 @@ def test_pristine_copies_hold_only_the_lora_target_weights(setup):
 
 def test_drift_verification_passes(setup):
     engine = setup["engine"]
-    result = run_drift_verification(
-        engine.lora_targets, engine.pristine_lora_weights, setup["peft_model"], iterations=4
-    )
-    assert result["passed"], result
+    result = engine.verify_no_drift(iterations=4)
+    assert result["passed"] and "merged double-copy" in result["covers"], result
     assert result["iterations"] == 4 and len(set(result["merged_sha256_per_iteration"])) == 4
     assert engine_tokens(setup) == hf_peft_merged_tokens(setup)
 
 
-def test_drift_verification_fails_when_a_refresh_touches_the_pristine_weights(setup, monkeypatch):
-    import qwen3_flex_inference
-
+def test_drift_verification_fails_when_a_refresh_touches_the_pristine_weights(setup):
     engine = setup["engine"]
     pristine = {name: w.clone() for name, w in engine.pristine_lora_weights.items()}
     name = next(iter(pristine))
 
-    def drifting_refresh(targets, pristine_weights, peft_model, adapter_name=None):
-        refresh_lora_merge_from_pristine(targets, pristine_weights, peft_model, adapter_name)
-        pristine_weights[name].add_(1e-3)  # what an unmerge-based refresh does to the base, in effect
+    def drifting_refresh():
+        refresh_lora_merge_from_pristine(engine.lora_targets, pristine, setup["peft_model"])
+        pristine[name].add_(1e-3)  # what an unmerge-based refresh does to the base, in effect
 
-    monkeypatch.setattr(qwen3_flex_inference, "refresh_lora_merge_from_pristine", drifting_refresh)
-    result = run_drift_verification(engine.lora_targets, pristine, setup["peft_model"], iterations=2)
-    monkeypatch.undo()
+    result = run_drift_verification(engine.lora_targets, pristine, setup["peft_model"], drifting_refresh, iterations=2)
     engine.refresh_lora()
     assert not result["passed"] and not result["pristine_unchanged"], result
 
