@@ -2626,7 +2626,10 @@ def attach_unmerged_lora(causal_lm: nn.Module, peft_model: nn.Module) -> dict[st
         device = causal_lm.model.embed_tokens.weight.device
         lora_A_RI = torch.zeros(weight_A.shape, dtype=dtype, device=device)
         lora_B_OR = torch.zeros(weight_B.shape, dtype=dtype, device=device)
-        module.base_forward = getattr(module, "base_layer", None) or module.forward
+        # an engine before this one may have attached its adapter here already: its base stays the base
+        module.base_forward = (
+            getattr(module, "base_forward", None) or getattr(module, "base_layer", None) or module.forward
+        )
         module.lora_A_RI, module.lora_B_OR, module.lora_scaling = lora_A_RI, lora_B_OR, layer.scaling[adapter]
         module.forward = unmerged_lora_forward.__get__(module)
         buffers[name] = (lora_A_RI, lora_B_OR)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks in one call; everything lands under $OUT (default: ./out).
-#   scripts/gpu_check.sh [kernels] [tests] [bench] [e2b] [profile] [gemv] [flex_decode] [rollouts...] [sampling] [grpo] [trl] [multi_gpu]
+#   scripts/gpu_check.sh [kernels] [tests] [bench] [e2b] [profile] [gemv] [flex_decode] [rollouts...] [sampling] [grpo] [trl] [fourbit] [multi_gpu]
 #   (no argument: kernels tests bench e2b profile; each phase must fit the 10-minute limit of one
 #   device call, so call it with one or two phases at a time)
 # kernels: which flex_attention kernel options work at head_dim 256/512 (prefill and decode)
@@ -31,6 +31,8 @@
 # trl:                 TRL's GRPOTrainer (LoRA, 8 prompts x 8 completions of 256 tokens, bf16), rollouts on the engine's
 #                      fastest mode: TRL's sampling log-prob difference for the engine and for HF generate (tiny Gemma-4
 #                      and E2B shape), then the E2B step time against TRL's own generation (~8 min)
+# fourbit:             E2B in bitsandbytes NF4 (bf16 compute), compiled step + CUDA graphs, batch 1 and 64, without and
+#                      with a rank-16 LoRA adapter (unmerged), with kernel profiles; carry .whl/bnb (~6 min)
 # multi_gpu: data-parallel scaling, the e2b batch-64 graph run (64 prompts per GPU) through torchrun
 #            on 1 GPU and on every GPU of the host: total tok/s on N GPUs vs 1
 set -u -o pipefail
@@ -42,8 +44,8 @@ export PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 PY=${PYTHON:-python3}
 phases=${*:-kernels tests bench e2b profile}
-if ls .whl/bitsandbytes-*.whl >/dev/null 2>&1 && ! $PY -c "import bitsandbytes" 2>/dev/null; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+if ls .whl/bnb/bitsandbytes-*.whl >/dev/null 2>&1 && ! $PY -c "import bitsandbytes" 2>/dev/null; then  # carried: the image has none
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/bnb/*.whl && export PYTHONPATH=/tmp/site
 fi
 
 if ls .whl/trl/trl-*.whl >/dev/null 2>&1 && ! $PY -c "import trl" 2>/dev/null; then  # TRL and what it needs that the image lacks
@@ -57,7 +59,9 @@ run() {  # run NAME CMD...: logs the command, its status and its time
   echo "== $name: $*"
   local start=$SECONDS
   "$@"
-  echo "== $name: exit $? after $((SECONDS - start)) s"
+  local status=$?
+  echo "== $name: exit $status after $((SECONDS - start)) s"
+  return $status
 }
 
 {
@@ -78,7 +82,7 @@ run() {  # run NAME CMD...: logs the command, its status and its time
         run gemma4_tiny_lora_graph $PY gemma4_flex_inference.py --model_name $tiny/gemma4 $common --dtype float32 --capture_cudagraph \
           --lora_adapter $tiny/gemma4_text/lora --verify_no_drift --n_prompts 16 --max_batch_size 8 --max_seq_length 512 --n_pages 64 --page_size 16 \
           --max_new_tokens 64 --stats_path "$OUT/stats/gemma4_tiny_lora_graph.json"
-        run qwen3_tiny_4bit $PY qwen3_flex_inference.py --model_name $tiny/qwen3 $common --dtype bfloat16 --load_in_4bit --no_merge_lora \
+        run qwen3_tiny_4bit $PY qwen3_flex_inference.py --model_name $tiny/qwen3 $common --dtype bfloat16 --load_in_4bit \
           --lora_adapter $tiny/qwen3/lora --n_prompts 8 --max_batch_size 8 --max_seq_length 512 --n_pages 64 --page_size 16 --max_new_tokens 32 \
           --stats_path "$OUT/stats/qwen3_tiny_4bit.json"
         run qwen3_4b_b64_graph $PY qwen3_flex_inference.py --model_name unsloth/Qwen3-4B-Base --load_format dummy $common --capture_cudagraph \
@@ -136,6 +140,12 @@ run() {  # run NAME CMD...: logs the command, its status and its time
         run trl_e2b_logprobs $PY -m scripts.grpo_trl $e2b $grpo $fastest --steps 2 --compare_logprobs --out "$OUT/trl_e2b_logprobs.json"
         run trl_e2b_engine $PY -m scripts.grpo_trl $e2b $grpo $fastest --steps 4 --out "$OUT/trl_e2b_engine.json"
         run trl_e2b_hf $PY -m scripts.grpo_trl $e2b $grpo --backend hf --steps 4 --out "$OUT/trl_e2b_hf.json" ;;
+      fourbit)
+        system=engine_compiled_graph
+        run rollouts_4bit $PY -m scripts.benchmarks.bench_rollouts --load_in_4bit --batch_sizes 1 64 --systems $system --profile \
+          --out "$OUT/rollouts_4bit.json" || system=engine_graph  # the uncompiled step if bitsandbytes does not compile
+        run rollouts_4bit_lora $PY -m scripts.benchmarks.bench_rollouts --load_in_4bit --lora_rank 16 --batch_sizes 1 64 \
+          --systems $system --profile --out "$OUT/rollouts_4bit_lora.json" ;;
       multi_gpu)
         num_gpus=$(nvidia-smi -L | wc -l)
         for n in $(printf '%s\n' 1 "$num_gpus" | sort -un); do

@@ -73,14 +73,42 @@ def build_model(preset: str, device, dtype):
     return model
 
 
+def quantize_and_adapt(model, dtype, load_in_4bit: bool, lora_rank: int):
+    """The model in bitsandbytes NF4 (quantised as a checkpoint is while loading), and/or wrapped
+    with a random LoRA adapter of `lora_rank` on every projection (the engine takes it unmerged on
+    4-bit weights, merged otherwise)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from qwen3_flex_inference import quantized_dummy
+
+    generation_config = model.generation_config
+    if load_in_4bit:
+        model = quantized_dummy(model, dtype, model.device, AutoModelForCausalLM)
+        model.generation_config = generation_config
+    if lora_rank:
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        model = get_peft_model(model, LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank, target_modules=targets))
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(std=1e-3)
+        model.eval()
+    return model
+
+
 def weight_bytes_per_step(model) -> int:
     """Bytes of weights one decode step reads: every parameter once (a tied lm_head counts once),
-    except lookup tables that are only gathered (Gemma-4's per-layer-input table)."""
+    and 4-bit weights' scales, except lookup tables that are only gathered (Gemma-4's per-layer-input
+    table)."""
     total = 0
     for name, param in model.named_parameters():  # named_parameters yields a tied weight once
         if "embed_tokens_per_layer" in name:
             continue
         total += param.numel() * param.element_size()
+        quant_state = getattr(param, "quant_state", None)
+        if quant_state is not None:
+            total += quant_state.absmax.numel() * quant_state.absmax.element_size()
     return total
 
 
@@ -106,9 +134,11 @@ def make_engine(model, batch_size, prompt_len, new_tokens, **options):
     max_seq_length = -(-max_seq_length // page_size) * page_size
     # A pool of at least 1024 pages, as the CLI runs use: each row's pages lie scattered in it.
     n_pages = max(batch_size * (max_seq_length // page_size) + 1, 1024 if model.device.type == "cuda" else 0)
+    is_peft = callable(getattr(model, "get_base_model", None))
     engine = engine_class(
         model,
         None,
+        peft_model=model if is_peft else None,
         max_batch_size=batch_size,
         max_seq_length=max_seq_length,
         n_pages=n_pages,
@@ -271,11 +301,16 @@ def main() -> int:
     parser.add_argument(
         "--profile", action="store_true", help="add each engine system's GPU time per kernel class (torch.profiler)"
     )
+    parser.add_argument(
+        "--load_in_4bit", action="store_true", help="bitsandbytes NF4 weights, --dtype the compute dtype"
+    )
+    parser.add_argument("--lora_rank", type=int, default=0, help="a random LoRA adapter of this rank (0: none)")
     parser.add_argument("--out", default=None, help="write all results as JSON here")
     args = parser.parse_args()
     device = torch.device(args.device)
     bandwidth = copy_bandwidth_gbs(device)
-    model = build_model(args.preset, device, getattr(torch, args.dtype))
+    dtype = getattr(torch, args.dtype)
+    model = quantize_and_adapt(build_model(args.preset, device, dtype), dtype, args.load_in_4bit, args.lora_rank)
     weight_bytes = weight_bytes_per_step(model)
     rows = []
     for batch_size in args.batch_sizes:
@@ -328,6 +363,8 @@ def main() -> int:
         "torch": torch.__version__,
         "transformers": __import__("transformers").__version__,
         "dtype": args.dtype,
+        "load_in_4bit": args.load_in_4bit,
+        "lora_rank": args.lora_rank,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "copy_bandwidth_gbs": bandwidth,
