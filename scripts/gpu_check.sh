@@ -31,8 +31,9 @@
 # trl:                 TRL's GRPOTrainer (LoRA, 8 prompts x 8 completions of 256 tokens, bf16), rollouts on the engine's
 #                      fastest mode: TRL's sampling log-prob difference for the engine and for HF generate (tiny Gemma-4
 #                      and E2B shape), then the E2B step time against TRL's own generation (~8 min)
-# fourbit:             E2B in bitsandbytes NF4 (bf16 compute), compiled step + CUDA graphs, batch 1 and 64, without and
-#                      with a rank-16 LoRA adapter (unmerged), with kernel profiles; carry .whl/bnb (~6 min)
+# fourbit:             the 4-bit GPU test (tiny Qwen3, Llama, Gemma-4: float32-compute NF4 + unmerged LoRA = HF + PEFT,
+#                      eager and compiled under CUDA graphs), then E2B in NF4 (bf16 compute), compiled step + CUDA graphs,
+#                      batch 1 and 64, without and with a rank-16 LoRA adapter, with kernel profiles; carry .whl/bnb (~7 min)
 # multi_gpu: data-parallel scaling, the e2b batch-64 graph run (64 prompts per GPU) through torchrun
 #            on 1 GPU and on every GPU of the host: total tok/s on N GPUs vs 1
 set -u -o pipefail
@@ -141,6 +142,7 @@ run() {  # run NAME CMD...: logs the command, its status and its time
         run trl_e2b_engine $PY -m scripts.grpo_trl $e2b $grpo $fastest --steps 4 --out "$OUT/trl_e2b_engine.json"
         run trl_e2b_hf $PY -m scripts.grpo_trl $e2b $grpo --backend hf --steps 4 --out "$OUT/trl_e2b_hf.json" ;;
       fourbit)
+        run gpu_tests_4bit $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py -k 4bit
         system=engine_compiled_graph
         run rollouts_4bit $PY -m scripts.benchmarks.bench_rollouts --load_in_4bit --batch_sizes 1 64 --systems $system --profile \
           --out "$OUT/rollouts_4bit.json" || system=engine_graph  # the uncompiled step if bitsandbytes does not compile

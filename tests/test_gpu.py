@@ -56,6 +56,60 @@ def test_float32_tokens_match_hf_eager_and_with_cuda_graphs(tiny_dir, name, opti
     assert sum(seq.num_preemptions for seq in sequences) > 0, "expected the small pool to force preemption"
 
 
+@pytest.mark.parametrize("name", ["qwen3", "llama", "gemma4", "gemma4_text"])
+def test_4bit_float32_compute_tokens_match_hf_peft_4bit_eager_and_with_cuda_graphs_compiled(tiny_dir, name):
+    """NF4 weights with a float32 compute dtype and the tiny LoRA adapter unmerged: the engine's
+    tokens equal HF's own 4-bit model with PEFT's 4-bit LoRA layers (the adapter the engine takes),
+    eager and with the compiled step under CUDA graphs; a refresh after changing the adapter is
+    followed without recapturing a graph."""
+    pytest.importorskip("bitsandbytes")
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, Gemma4ForConditionalGeneration
+
+    from gemma4_flex_inference import load_gemma4
+    from qwen3_flex_inference import Sequence, load_qwen3_llama, nf4_config
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    path, device = tiny_dir / name, torch.device("cuda")
+    model_class = Gemma4ForConditionalGeneration if name == "gemma4" else AutoModelForCausalLM
+    hf = model_class.from_pretrained(
+        path,
+        dtype=torch.float32,
+        attn_implementation="eager",
+        quantization_config=nf4_config(torch.float32),
+        device_map={"": 0},
+    )
+    reference = PeftModel.from_pretrained(hf, path / "lora").eval()
+    load = load_gemma4 if name.startswith("gemma4") else load_qwen3_llama
+    limits = dict(max_batch_size=8, max_seq_length=256, n_pages=64, page_size=16, max_new_tokens=MAX_NEW_TOKENS)
+    engines = [  # eager decode; the compiled step under CUDA graphs
+        engine_class(name)(
+            load(str(path), torch.float32, device, load_in_4bit=True),
+            None,
+            peft_model=reference,
+            compile_decode=compiled,
+            **limits,
+        )
+        for compiled in (False, True)
+    ]
+    prompts = random_prompts([5, 70, 17, 33, 48], reference.config.get_text_config().vocab_size, seed=7)
+    for step in range(2):
+        want = [_rollout_cuda(reference, ids, engines[0].end_ids) for ids in prompts]
+        for engine, use_graph in ((engines[0], False), (engines[1], True)):
+            sequences = [Sequence(input_ids=ids) for ids in prompts]
+            got = [s.output_ids for s in engine.generate(sequences, capture_cudagraph=use_graph)]
+            assert got == want, f"{name} {use_graph=} {step=}"
+        if step == 0:
+            graphs = dict(engines[1].runner.cuda_graphs)  # (bucket, mode) -> the captured graph and its buffers
+        with torch.no_grad():  # the trainer's optimizer step, in effect
+            for param_name, param in reference.named_parameters():
+                if "lora_B" in param_name:
+                    param.add_(torch.randn_like(param) * 0.5)
+        for engine in engines:
+            engine.refresh_lora()
+    assert engines[1].runner.cuda_graphs == graphs, "a refresh recaptured a graph"
+
+
 def _rollout_cuda(model, ids, end_ids):
     tokens = list(ids)
     for _ in range(MAX_NEW_TOKENS):

@@ -6,6 +6,10 @@ A LoRA adapter on 4-bit weights is applied unmerged (a merge would quantise the 
 reference is PEFT's own 4-bit LoRA layer on HF's model. The engine takes the adapter from that
 reference model (as from a trainer's), so a change to it followed by `refresh_lora()` must show in
 the engine's tokens, and the 4-bit base must never change.
+
+NOTE: the file's name sorts after the engine tests: their compile-count checks count the compiled
+variants they add themselves, and this file's compiled engines would add the decode epilogue they
+expect to compile (it is the same for 4-bit weights: the final norm and the float lm_head).
 """
 
 import json
@@ -78,8 +82,8 @@ def quantized_linears(model) -> int:
 @pytest.fixture(scope="module", params=MODELS)
 def case(request, tiny_dir):
     """HF's 4-bit model with PEFT's LoRA on it (the reference, and the adapter's owner), and an
-    engine on a 4-bit copy taking that adapter unmerged; the second engine of the Gemma-4 cases
-    runs the compiled decode step."""
+    engine on a 4-bit copy taking that adapter unmerged; for one layout of each engine (qwen3,
+    the multimodal gemma4) that engine runs the compiled decode step."""
     from peft import PeftModel
 
     name = request.param
@@ -87,7 +91,7 @@ def case(request, tiny_dir):
     reference = PeftModel.from_pretrained(hf_4bit(name, path), path / "lora").eval()
     base_engine = make_engine(name, load_4bit(name, path))
     lora_engine = make_engine(
-        name, load_4bit(name, path), peft_model=reference, compile_decode=name.startswith("gemma4")
+        name, load_4bit(name, path), peft_model=reference, compile_decode=name in ("qwen3", "gemma4")
     )
     prompts = random_prompts(PROMPT_LENGTHS, reference.config.get_text_config().vocab_size, seed=5)
     return dict(name=name, path=path, reference=reference, base=base_engine, lora=lora_engine, prompts=prompts)
@@ -200,3 +204,16 @@ def test_cli_load_in_4bit_with_an_adapter_runs_unmerged_and_its_drift_check_says
     )  # fmt: skip
     drift = json.loads(stats_path.read_text())["drift_verification"]
     assert drift["passed"] and "unmerged" in drift["covers"], drift
+
+
+def test_a_bitsandbytes_without_kernels_for_the_device_is_one_sentence(tiny_dir, monkeypatch):
+    import bitsandbytes.functional
+
+    def no_kernel(*args, **kwargs):
+        raise NotImplementedError("no kernel for this backend")
+
+    monkeypatch.setattr(bitsandbytes.functional, "quantize_4bit", no_kernel)
+    with pytest.raises(
+        FlexInferenceError, match="^4-bit weights need bitsandbytes with 4-bit kernels for cpu: no kernel"
+    ):
+        load_4bit("qwen3", tiny_dir / "qwen3")
