@@ -12,9 +12,9 @@ The file reads in the order a request travels:
 5. Tokens out: greedy tokens, and sampling (temperature, top-k, top-p, min-p) with log-probs.
 6. Kernels: compiled flex_attention and its options, the compile-shape policy, skinny decode
    GEMMs, rotary.
-7. The model patches (Qwen3/Llama attention, fused projections), the LoRA double-copy and drift
-   check, data parallel (one engine per torchrun rank), TRL's GRPOTrainer rollout function,
-   loaders, and last the CLI.
+7. The model patches (Qwen3/Llama attention, fused projections), the LoRA double-copy, unmerged
+   LoRA (4-bit weights) and the drift check, data parallel (one engine per torchrun rank), TRL's
+   GRPOTrainer rollout function, loaders (bf16 or bitsandbytes 4-bit), and last the CLI.
 
 Ideas taken from: PagedAttention (vLLM) for the paged KV cache; nano-vllm and flex-nano-vllm for
 the scheduler / model-runner split, the page table and turning a logical block mask into a
@@ -2517,11 +2517,12 @@ def unwrap_causal_lm(model: nn.Module) -> nn.Module:
 
 
 # ---------------------------------------------------------------------------------------------
-# LoRA double-copy and drift verification
+# LoRA double-copy, unmerged LoRA, and drift verification
 # ---------------------------------------------------------------------------------------------
 # The inference weights of every LoRA target are always rebuilt as pristine + delta from a
 # pristine copy kept beside them, never by PEFT's merge/unmerge: in bf16, W + d - d != W, so a
-# merge/unmerge cycle per training step drifts the base weights further every step.
+# merge/unmerge cycle per training step drifts the base weights further every step. 4-bit weights
+# cannot hold a merged delta at all: there the adapter runs beside them, unmerged.
 
 
 def text_model_name(name: str) -> str:
@@ -3049,7 +3050,7 @@ def load_causal_lm(
         check_bnb_4bit(device)
         if not is_prequantized:
             kwargs["quantization_config"] = nf4_config(dtype)
-        kwargs["device_map"] = {"": device.index or 0} if device.type == "cuda" else {"": device.type}
+        kwargs["device_map"] = device_map_of(device)
     try:
         with explain_out_of_memory(path, None, model_class, dtype, device, load_in_4bit, trust_remote_code):
             model = model_class.from_pretrained(path, **kwargs)
@@ -3069,6 +3070,11 @@ def load_causal_lm(
             model = model.to(device)
     fit_bnb_cpu_kernels(model)
     return model.eval()
+
+
+def device_map_of(device: torch.device) -> dict:
+    """transformers' device_map that puts the whole model on `device` (quantised loads place it so)."""
+    return {"": device.index or 0} if device.type == "cuda" else {"": device.type}
 
 
 def nf4_config(compute_dtype: torch.dtype):
@@ -3119,13 +3125,12 @@ def quantized_dummy(model: nn.Module, dtype: torch.dtype, device: torch.device, 
     with tempfile.TemporaryDirectory(prefix="dummy_4bit_") as folder:
         model.save_pretrained(folder)
         del model
-        device_map = {"": device.index or 0} if device.type == "cuda" else {"": device.type}
         quantized = model_class.from_pretrained(
             folder,
             dtype=dtype,
             attn_implementation="eager",
             quantization_config=nf4_config(dtype),
-            device_map=device_map,
+            device_map=device_map_of(device),
         )
     fit_bnb_cpu_kernels(quantized)
     return quantized.eval()
