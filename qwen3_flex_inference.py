@@ -513,7 +513,12 @@ class FlexInference:
                 target = weights[key]
             else:
                 is_lora_changed = True
-            if tuple(tensor.shape) != tuple(target.shape) or not target.is_floating_point():
+            if not target.is_floating_point():
+                raise FlexInferenceError(
+                    f"{name} is a 4-bit weight, packed: it takes no new values in place "
+                    "(full fine-tuning syncs float weights; train a LoRA adapter on 4-bit ones)"
+                )
+            if tuple(tensor.shape) != tuple(target.shape):
                 raise FlexInferenceError(
                     f"{name} cannot take a {tuple(tensor.shape)} {tensor.dtype} tensor: "
                     f"it is {tuple(target.shape)} {target.dtype}"

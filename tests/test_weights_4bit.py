@@ -206,6 +206,12 @@ def test_cli_load_in_4bit_with_an_adapter_runs_unmerged_and_its_drift_check_says
     assert drift["passed"] and "unmerged" in drift["covers"], drift
 
 
+def test_load_weights_into_a_4bit_weight_is_refused_with_one_sentence(case):
+    name, weight = next((n, p) for n, p in case["base"].causal_lm.named_parameters() if not p.is_floating_point())
+    with pytest.raises(FlexInferenceError, match=f"^{name} is a 4-bit weight, packed: it takes no new values"):
+        case["base"].load_weights({name: torch.zeros(weight.shape)})
+
+
 def test_a_bitsandbytes_without_kernels_for_the_device_is_one_sentence(tiny_dir, monkeypatch):
     import bitsandbytes.functional
 
