@@ -209,6 +209,7 @@ class FlexInference:
         skinny_gemms: bool = True,
         seed: int = 0,
         merge_lora: bool | None = None,
+        decode_attention: str | None = None,
     ):
         check_engine_limits(max_batch_size, max_seq_length, n_pages, page_size, max_new_tokens)
         self.model = model
@@ -256,6 +257,7 @@ class FlexInference:
             fuse_projections=fuse_projections,
             skinny_gemms=skinny_gemms,
             is_lora_merged=self.merge_lora,
+            decode_attention=decode_attention,
         )
         self.timings: dict[str, float] = {}
         self.seeds = random.Random(seed)  # the seeds of sequences that bring none
@@ -1079,6 +1081,7 @@ class ModelRunner:
         fuse_projections: bool = False,
         skinny_gemms: bool = True,
         is_lora_merged: bool = False,
+        decode_attention: str | None = None,
     ):
         self.causal_lm = causal_lm
         self.decoder = causal_lm.model
@@ -1106,6 +1109,7 @@ class ModelRunner:
             )
             for head_dim in head_dims
         }
+        self.decode_attention = resolve_decode_attention(decode_attention, self.device)
         self.patch_attention()
         if fuse_projections:
             fuse_decoder_projections(self.decoder, is_lora_merged)
@@ -1380,7 +1384,7 @@ class ModelRunner:
                     self.sliding_windows[regime],
                 )
                 physical_slots[regime] = physical_slots_B
-            step = DecodeStep(masks, physical_slots, self.kv_caches, self.kernel_options)
+            step = DecodeStep(masks, physical_slots, self.kv_caches, self.kernel_options, self.decode_attention)
             hidden_B1E = self.run_layers(
                 hidden_B1E, layer_inputs, step, range(len(self.decoder.layers)), self._run_decode_layer
             )
@@ -1631,6 +1635,7 @@ class DecodeStep:
     physical_slots: dict[str, torch.Tensor]  # attention regime -> [B] cache row of each row's token
     kv_caches: list[PagedKVCache | None]  # per layer; None for layers that own no cache
     kernel_options: dict[int, KernelOptions]  # head_dim -> options
+    attention_backend: str  # "triton" (paged_decode_attention_triton), "flex", or "auto" (pick_decode_attention)
 
     def for_layer(self, cache_layer_idx: int, regime: str = FULL_ATTENTION) -> DecodeLayerStep:
         """The step as one layer sees it: the cache it writes (or, KV-shared, reads) and its regime's mask.
@@ -1639,7 +1644,11 @@ class DecodeStep:
         specialises on every int it reads, and would compile each layer on its own.
         """
         return DecodeLayerStep(
-            self.kv_caches[cache_layer_idx], self.masks[regime], self.physical_slots[regime], self.kernel_options
+            self.kv_caches[cache_layer_idx],
+            self.masks[regime],
+            self.physical_slots[regime],
+            self.kernel_options,
+            self.attention_backend,
         )
 
 
@@ -1651,6 +1660,7 @@ class DecodeLayerStep:
     mask: PagedDecodeMask
     physical_slots: torch.Tensor  # [B] cache row of each row's token
     kernel_options: dict[int, KernelOptions]
+    attention_backend: str
 
     def attend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, scale: float) -> torch.Tensor:
         """Writes k/v (None: a KV-shared layer) into the cache, then attends over the rows' pages.
@@ -1673,6 +1683,7 @@ class DecodeLayerStep:
             mask.sliding_window,
             float(scale),
             self.kernel_options[q.shape[-1]].decode,
+            self.attention_backend,
         )
 
 
@@ -1840,13 +1851,22 @@ def paged_decode_attention(
     sliding_window: int | None,
     scale: float,
     kernel_options: str,
+    backend: str,
 ) -> torch.Tensor:
     """Decode attention over the paged cache: q [B, H, 1, D], caches [1, H_kv, rows, D] -> [B, H, 1, D].
 
+    `backend` "triton": the project's paged kernel over each row's listed pages
+    (paged_decode_attention_triton); "flex": flex_attention's decode kernel with the rebuilt
+    BlockMask and `kernel_options`; "auto": either, by head_dim and rows (pick_decode_attention).
     An opaque op, so a compiled decode step with a symbolic batch size still calls flex_attention's
     decode kernel compiled for the concrete batch bucket: traced into the symbolic-batch graph,
     that kernel ran several times slower (scripts/benchmarks/README.md).
     """
+    if pick_decode_attention(backend, q) == "triton":
+        pages_BP = kv_indices.view(q.shape[0], -1)
+        return paged_decode_attention_triton(
+            q, k_cache, v_cache, pages_BP, input_pos_B, page_size, sliding_window, scale
+        )
     block_mask = PagedDecodeMask(
         kv_num_blocks, kv_indices, input_pos_B, batch_idx_B, physical_to_logical, page_size, sliding_window
     ).block_mask()
@@ -2414,6 +2434,225 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 @skinny_linear.register_fake
 def _skinny_linear_shape(x, weight):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Paged decode attention: a Triton kernel over each row's own pages (CUDA)
+# ---------------------------------------------------------------------------------------------
+
+# flex_attention's decode path costs ~4 kernels a layer (the block mask's mask_mod tensors, the
+# split-KV main kernel, its combine) and ~9.5 us a layer at batch 1 (scripts/benchmarks/README.md).
+# The kernel below reads the rows' pages straight from the block tensors the step already has
+# (the physical pages of each row's visible logical blocks), and needs no mask tensors.
+#
+# Kernel design (q [B, H, D] over caches [1, H_kv, rows, D]; FlashDecoding's split-KV):
+# - Program (b, kv_head, split) owns row b's query heads of one KV head (the GQA group, padded to
+#   16 rows for the MMA) and the split-th run of the row's visible chunks of BLOCK_N positions
+#   (a window's left edge to the query's own position); BLOCK_N divides the page size, so a chunk
+#   lies in one page. Every K/V byte of the row is read once whatever the group size is.
+# - Online softmax in fp32 (exp2, scale folded with log2(e)); p is cast to V's dtype for the PV
+#   product, as flex does. Positions outside the window or past the query are masked to -inf; a
+#   chunk always holds at least one visible position, so no row of a run is all -inf.
+# - One split: the program writes the output. Several: each writes fp32 (acc, max, sum) partials
+#   and a second kernel combines them in split order (deterministic, no atomics). The split count
+#   is fixed per batch bucket (a CUDA graph replays it): enough programs to fill the SMs, at
+#   most PAGED_DECODE_MAX_SPLITS; a split a short row does not reach exits at once.
+
+PAGED_DECODE_MAX_SPLITS = 16
+
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["scale"])
+    def _paged_decode_attention_kernel(
+        q_ptr, k_ptr, v_ptr, pages_ptr, pos_ptr, out_ptr, partial_ptr, stats_ptr, scale,
+        stride_qb, stride_qh, stride_kh, stride_kr, stride_vh, stride_vr, stride_pb,
+        NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+        HEAD_DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        """Row b, one KV head's query group, one run of the row's visible chunks: out [B, H, D]
+        (one split), or partial [B, H, S, D] fp32 and stats [2, B, H, S] (max, sum of exp2)."""
+        b = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        end = tl.load(pos_ptr + b).to(tl.int32) + 1  # visible logical positions: [start, end)
+        start = 0
+        if SLIDING_WINDOW > 0:
+            start = tl.maximum(end - SLIDING_WINDOW, 0)
+        first_block = start // PAGE_SIZE  # the logical block of the row's first listed page
+        first_chunk = start // BLOCK_N
+        num_chunks = (end - 1) // BLOCK_N - first_chunk + 1
+        chunks_per_split = tl.cdiv(num_chunks, NUM_SPLITS)
+        chunk_lo = first_chunk + split * chunks_per_split
+        chunk_hi = tl.minimum(chunk_lo + chunks_per_split, first_chunk + num_chunks)
+        offs_g = tl.arange(0, GROUP_PAD)
+        offs_d = tl.arange(0, HEAD_DIM_PAD)
+        offs_n = tl.arange(0, BLOCK_N)
+        heads_G = kv_head * GROUP + offs_g
+        is_head_G = offs_g < GROUP
+        is_dim_D = offs_d < HEAD_DIM
+        q_GD = tl.load(
+            q_ptr + b * stride_qb + heads_G[:, None] * stride_qh + offs_d[None, :],
+            mask=is_head_G[:, None] & is_dim_D[None, :],
+            other=0.0,
+        )
+        qk_scale = scale * 1.4426950408889634  # exp(x) = exp2(x * log2(e))
+        max_G = tl.full((GROUP_PAD,), float("-inf"), dtype=tl.float32)
+        sum_G = tl.zeros((GROUP_PAD,), dtype=tl.float32)
+        acc_GD = tl.zeros((GROUP_PAD, HEAD_DIM_PAD), dtype=tl.float32)
+        for chunk in range(chunk_lo, chunk_hi):
+            logical_N = chunk * BLOCK_N + offs_n
+            page = tl.load(pages_ptr + b * stride_pb + (chunk * BLOCK_N) // PAGE_SIZE - first_block).to(tl.int64)
+            rows_N = page * PAGE_SIZE + logical_N % PAGE_SIZE
+            k_ND = tl.load(
+                k_ptr + kv_head * stride_kh + rows_N[:, None] * stride_kr + offs_d[None, :],
+                mask=is_dim_D[None, :],
+                other=0.0,
+            )
+            v_ND = tl.load(
+                v_ptr + kv_head * stride_vh + rows_N[:, None] * stride_vr + offs_d[None, :],
+                mask=is_dim_D[None, :],
+                other=0.0,
+            )
+            s_GN = tl.dot(q_GD, tl.trans(k_ND), input_precision=INPUT_PRECISION) * qk_scale
+            is_visible_N = (logical_N >= start) & (logical_N < end)
+            s_GN = tl.where(is_visible_N[None, :], s_GN, float("-inf"))
+            new_max_G = tl.maximum(max_G, tl.max(s_GN, 1))
+            alpha_G = tl.math.exp2(max_G - new_max_G)
+            p_GN = tl.math.exp2(s_GN - new_max_G[:, None])
+            sum_G = sum_G * alpha_G + tl.sum(p_GN, 1)
+            acc_GD = acc_GD * alpha_G[:, None] + tl.dot(p_GN.to(v_ND.dtype), v_ND, input_precision=INPUT_PRECISION)
+            max_G = new_max_G
+        store_mask = is_head_G[:, None] & is_dim_D[None, :]
+        if NUM_SPLITS == 1:
+            out_ptrs = out_ptr + (b * NUM_HEADS + heads_G[:, None]) * HEAD_DIM + offs_d[None, :]
+            tl.store(out_ptrs, (acc_GD / sum_G[:, None]).to(out_ptr.dtype.element_ty), mask=store_mask)
+        else:
+            row_split_G = (b * NUM_HEADS + heads_G) * NUM_SPLITS + split
+            tl.store(partial_ptr + row_split_G[:, None] * HEAD_DIM + offs_d[None, :], acc_GD, mask=store_mask)
+            num_stats = tl.num_programs(0) * NUM_HEADS * NUM_SPLITS
+            tl.store(stats_ptr + row_split_G, max_G, mask=is_head_G)
+            tl.store(stats_ptr + num_stats + row_split_G, sum_G, mask=is_head_G)
+
+    @triton.jit
+    def _paged_decode_combine_kernel(
+        partial_ptr, stats_ptr, out_ptr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+        HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    ):  # fmt: skip
+        """out[b, h] from the splits' partials, in split order: with w_s = 2^(max_s - max over splits),
+        sum_s w_s acc_s / sum_s w_s sum_s."""
+        row = tl.program_id(0) * NUM_HEADS + tl.program_id(1)
+        offs_s = tl.arange(0, NUM_SPLITS)
+        offs_d = tl.arange(0, HEAD_DIM_PAD)
+        num_stats = tl.num_programs(0) * NUM_HEADS * NUM_SPLITS
+        max_S = tl.load(stats_ptr + row * NUM_SPLITS + offs_s)
+        sum_S = tl.load(stats_ptr + num_stats + row * NUM_SPLITS + offs_s)
+        row_max = tl.max(max_S, 0)
+        weight_S = tl.where(max_S > float("-inf"), tl.math.exp2(max_S - row_max), 0.0)  # an empty split weighs 0
+        acc_SD = tl.load(
+            partial_ptr + (row * NUM_SPLITS + offs_s[:, None]) * HEAD_DIM + offs_d[None, :],
+            mask=offs_d[None, :] < HEAD_DIM,
+            other=0.0,
+        )
+        out_D = tl.sum(acc_SD * weight_S[:, None], 0) / tl.sum(sum_S * weight_S, 0)
+        tl.store(out_ptr + row * HEAD_DIM + offs_d, out_D.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+def resolve_decode_attention(decode_attention: str | None, device: torch.device) -> str:
+    """The decode attention backend: "auto" by default on CUDA (pick_decode_attention), "flex" elsewhere."""
+    if decode_attention is None:
+        return "auto" if device.type == "cuda" and triton is not None else "flex"
+    if decode_attention not in ("triton", "flex"):
+        raise FlexInferenceError(
+            f"decode_attention must be triton or flex, got {decode_attention!r}", "decode_attention"
+        )
+    if decode_attention == "triton" and (device.type != "cuda" or triton is None):
+        raise FlexInferenceError(
+            "decode_attention triton needs a CUDA device and triton; flex runs everywhere", "decode_attention"
+        )
+    return decode_attention
+
+
+def pick_decode_attention(backend: str, q: torch.Tensor) -> str:
+    """The backend of one decode attention call: "auto" takes the Triton kernel except at head_dim
+    above 256 with more than 8 rows, where flex's decode kernel measured as fast or faster (E2B's
+    head_dim 512 at 64 rows: 28 against 29 us, at 256 rows 78 against 84 us; at 1-8 rows and at
+    head_dim 256 the Triton kernel took 58-75% of flex's time: bench_decode_attention.py)."""
+    if backend != "auto":
+        return backend
+    return "flex" if q.shape[-1] > 256 and q.shape[0] > 8 else "triton"
+
+
+def paged_decode_splits(num_rows: int, num_kv_heads: int, device: torch.device) -> int:
+    """Splits of each row's positions: the largest power of two, up to PAGED_DECODE_MAX_SPLITS, that
+    keeps the programs within two per SM (the fastest split count at 1, 8, 64 and 256 rows of E2B's
+    attention on an H200: 16, 16, 4, 1; bench_decode_attention.py)."""
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    splits = 1
+    while splits < PAGED_DECODE_MAX_SPLITS and num_rows * num_kv_heads * splits * 2 <= 2 * num_sms:
+        splits *= 2
+    return splits
+
+
+def paged_decode_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pages_BP: torch.Tensor,
+    input_pos_B: torch.Tensor,
+    page_size: int,
+    sliding_window: int | None,
+    scale: float,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Decode attention over the paged cache through the Triton kernel(s).
+
+    q [B, H, 1, D]; caches [1, H_kv, rows, D] (row = physical page * page_size + offset);
+    pages_BP [B, >= visible blocks]: row b's visible logical blocks' physical pages, in logical
+    order from the window's left edge (PageTable.decode_blocks); input_pos_B: each query's logical
+    position. Returns [B, H, 1, D] in q's dtype. Runs on CUDA, or on CPU tensors under TRITON_INTERPRET=1.
+    """
+    B, H, _, D = q.shape
+    num_kv_heads = k_cache.shape[1]
+    if H % num_kv_heads or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError(
+            f"paged decode attention needs query heads a multiple of KV heads and D contiguous caches: "
+            f"q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}"
+        )
+    group = H // num_kv_heads
+    block_n = min(page_size, 16 if D > 256 else 32)
+    if page_size % block_n:
+        raise ValueError(f"paged decode attention needs a page size that is a multiple of {block_n}: {page_size}")
+    num_splits = num_splits or paged_decode_splits(B, num_kv_heads, q.device)
+    if num_splits & (num_splits - 1):
+        raise ValueError(f"paged decode attention needs a power-of-two split count: {num_splits}")
+    q_BHD = q.reshape(B, H, D)
+    if q_BHD.stride(-1) != 1:
+        q_BHD = q_BHD.contiguous()
+    out_BHD = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
+    # partial_BHSD: fp32 partial outputs per split; stats_2BHS: their running max and exp2 sum
+    partial_BHSD = stats_2BHS = out_BHD
+    if num_splits > 1:
+        partial_BHSD = torch.empty(B, H, num_splits, D, dtype=torch.float32, device=q.device)
+        stats_2BHS = torch.empty(2, B, H, num_splits, dtype=torch.float32, device=q.device)
+    head_dim_pad = triton.next_power_of_2(D)
+    _paged_decode_attention_kernel[(B, num_kv_heads, num_splits)](
+        q_BHD, k_cache, v_cache, pages_BP, input_pos_B, out_BHD, partial_BHSD, stats_2BHS, scale,
+        q_BHD.stride(0), q_BHD.stride(1), k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
+        pages_BP.stride(0),
+        NUM_HEADS=H, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=D,
+        HEAD_DIM_PAD=head_dim_pad, PAGE_SIZE=page_size, BLOCK_N=block_n, SLIDING_WINDOW=sliding_window or 0,
+        NUM_SPLITS=num_splits,
+        # NOTE: float32 operands would go through TF32 by default (~1e-3 relative error); "ieee" keeps fp32.
+        INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        # 8 warps where a program's tiles (q, K, V, the fp32 accumulator) would spill from 4 warps' registers
+        num_warps=8 if D * q.element_size() >= 1024 else 4, num_stages=2,
+    )  # fmt: skip
+    if num_splits > 1:
+        _paged_decode_combine_kernel[(B, H)](
+            partial_BHSD, stats_2BHS, out_BHD, NUM_HEADS=H, HEAD_DIM=D, HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS=num_splits
+        )
+    return out_BHD.view(B, H, 1, D)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -3349,6 +3588,12 @@ def build_arg_parser(default_model_name: str, description: str) -> argparse.Argu
         help="cuBLAS for every GEMM (default: off, so decode's few-row GEMMs race a Triton kernel against cuBLAS "
         "per weight shape on the GPU and keep the faster)",
     )  # fmt: skip
+    p.add_argument(
+        "--decode_attention", choices=("triton", "flex"), default=None,
+        help="decode attention over the paged cache: the project's Triton kernel over each row's pages, or "
+        "flex_attention's decode kernel (default on CUDA: triton, except flex at head_dim 512 above 8 rows; "
+        "flex on the CPU)",
+    )  # fmt: skip
     p.add_argument("--lora_adapter", default=None, help="PEFT LoRA adapter folder, merged with the double-copy refresh")
     p.add_argument(
         "--no_merge_lora",
@@ -3456,7 +3701,7 @@ def cli_message(error: FlexInferenceError, flags) -> str:
 LOADER_FLAGS = ("load_format", "load_in_4bit", "trust_remote_code", "allow_pickle_weights", "seed")
 ENGINE_FLAGS = (
     "max_batch_size", "max_seq_length", "n_pages", "page_size", "max_new_tokens", "fa4_prefill", "compile_decode",
-    "fuse_projections", "skinny_gemms",
+    "fuse_projections", "skinny_gemms", "decode_attention",
 )  # fmt: skip
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks in one call; everything lands under $OUT (default: ./out).
-#   scripts/gpu_check.sh [kernels] [tests] [bench] [e2b] [profile] [gemv] [flex_decode] [rollouts...] [sampling] [grpo] [trl] [fourbit] [multi_gpu]
+#   scripts/gpu_check.sh [kernels] [tests] [bench] [e2b] [profile] [gemv] [flex_decode] [attention] [rollouts...] [sampling] [grpo] [trl] [fourbit] [multi_gpu]
 #   (no argument: kernels tests bench e2b profile; each phase must fit the 10-minute limit of one
 #   device call, so call it with one or two phases at a time)
 # kernels: which flex_attention kernel options work at head_dim 256/512 (prefill and decode)
@@ -13,11 +13,14 @@
 # gemv:    few-row GEMMs on E2B's decode weight shapes, cuBLAS vs the Triton GEMV configs and
 #          skinny_linear's picks, M 1/2/8/16 (not in the default phases; 24 s on an H200)
 # flex_decode: the decode half of the kernel-option sweep, batch 1/8/64, partial vs full blocks (2.75 min)
+# attention: decode attention over the paged cache, the engine's op with flex's kernel and with the Triton paged
+#            kernel (and that kernel at every split count), E2B's two attention kinds and Qwen3-4B's, batch 1/8/64/256
 # The side-by-side benchmark (scripts/benchmarks/bench_rollouts.py, E2B batch 1/8/64, 512 new
 # tokens), split so that each phase fits one 10-minute device call (times estimated from the per-system
 # times measured on an H200):
 # rollouts:            this engine, CUDA graphs and compiled + fused step, with kernel profiles (~6 min)
 # rollouts_quick:      the compiled + fused step alone, batch 64 and 1, with kernel profiles (2 min)
+# rollouts_targets:    the same at the speed issue's three batch sizes, 256, 64 and 1 (~4.5 min)
 # sampling:            the token choice alone (greedy, sampling, top-k + top-p; batch 1/64/256), then the whole step:
 #                      greedy, temperature-1 sampling with log-probs, and top-k 50 + top-p 0.9, batch 64 and 256
 # grpo:                32 prompts of 256 tokens x n = 8, lengths 64..1024, shared vs separate prompt pages, and HF generate(do_sample)
@@ -99,6 +102,12 @@ run() {  # run NAME CMD...: logs the command, its status and its time
         ;;
       flex_decode)
         run flex_decode_options $PY -m scripts.benchmarks.flex_kernel_options --skip_prefill --out "$OUT/flex_decode_options.json" ;;
+      attention)
+        run decode_attention $PY -m scripts.benchmarks.bench_decode_attention --batch_sizes 1 8 64 256 \
+          --out "$OUT/decode_attention.json" ;;
+      rollouts_targets)
+        run rollouts_targets $PY -m scripts.benchmarks.bench_rollouts --batch_sizes 256 64 1 --systems engine_fused_compiled_graph \
+          --profile --out "$OUT/rollouts_targets.json" ;;
       rollouts_quick)
         run rollouts_quick $PY -m scripts.benchmarks.bench_rollouts --batch_sizes 64 1 --systems engine_fused_compiled_graph \
           --profile --out "$OUT/rollouts_quick.json" ;;

@@ -1,5 +1,9 @@
 """Shared fixtures: the tiny checkpoints (built once per machine) and HF references."""
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -55,6 +59,11 @@ def hf_argmax_rollout(model, prompts, max_new_tokens, end_ids):
     return outputs
 
 
+# The tiny multimodal Gemma-4's ids 5-11 are image/audio/video placeholders, which its HF model
+# (Gemma4ForConditionalGeneration) treats as media: prompts for it as a reference start above them.
+FIRST_TEXT_ID = 12
+
+
 def random_prompts(lengths, vocab_size, seed=0, low=3):
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(low, vocab_size, (n,), generator=generator).tolist() for n in lengths]
@@ -94,3 +103,19 @@ def exit_message(module, argv) -> str:
     # A str code makes Python print it to stderr and exit with status 1; None or 0 would be success.
     assert isinstance(code, str), f"main({argv}) exited with {code!r}, not with a message"
     return code
+
+
+def run_triton_interpreter_check(module: str) -> list[dict]:
+    """Runs `python -m module` from the repo root under triton's CPU interpreter (TRITON_INTERPRET=1
+    must be set before triton is imported, hence a subprocess) and returns the JSON list it prints."""
+    pytest.importorskip("triton", reason="triton is not installed: the kernel test needs its CPU interpreter")
+    run = subprocess.run(
+        [sys.executable, "-m", module],
+        cwd=ROOT,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout)

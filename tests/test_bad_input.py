@@ -89,6 +89,13 @@ def test_kv_pool_is_checked_before_anything_is_allocated(qwen3_model, monkeypatc
     assert "n_pages" in info.value.params, info.value.params
 
 
+def test_triton_decode_attention_on_the_cpu_exits_saying_it_needs_cuda_and_flex_runs_everywhere(tiny_dir, qwen3_model):
+    message = exit_message(qwen3_flex_inference, cli_argv(tiny_dir / "qwen3", "--decode_attention", "triton"))
+    assert_one_sentence(message, "--decode_attention triton needs a CUDA device", "flex runs everywhere")
+    engine = FlexInference(qwen3_model, None, max_batch_size=2, max_seq_length=256, n_pages=64, page_size=16)
+    assert engine.runner.decode_attention == "flex"  # the CPU default
+
+
 def test_cli_n_pages_defaults_to_auto():
     args = qwen3_flex_inference.build_arg_parser("unused", "unused").parse_args([])
     assert args.n_pages is None, args.n_pages

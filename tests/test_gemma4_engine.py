@@ -3,7 +3,7 @@ with a 24-token sliding window, KV-shared layers of both types, PLE and the logi
 
 import pytest
 import torch
-from conftest import hf_argmax_rollout, load_hf, random_prompts
+from conftest import FIRST_TEXT_ID, hf_argmax_rollout, load_hf, random_prompts
 
 from gemma4_flex_inference import FlexGemma4Inference, Sequence, kv_store_layers, load_gemma4
 
@@ -166,8 +166,7 @@ def test_adapter_trained_on_the_multimodal_model_equals_hf_peft_merged(tiny_dir)
     peft_model = load_gemma4_adapter(shell, str(path / "lora"))
     engine = make_engine(peft_model, peft_model=peft_model)
     assert len(engine.lora_targets) == 62, f"{len(engine.lora_targets)=}"  # 124 LoRA tensors = 62 modules
-    # ids 5-11 are image/audio placeholders, which the multimodal model treats as media
-    prompts = random_prompts([7, 30, 55], shell.config.vocab_size, seed=6, low=12)
+    prompts = random_prompts([7, 30, 55], shell.config.vocab_size, seed=6, low=FIRST_TEXT_ID)
     want = hf_argmax_rollout(reference, prompts, MAX_NEW_TOKENS, engine.end_ids)
     got = [s.output_ids for s in engine.generate([Sequence(input_ids=ids) for ids in prompts])]
     assert got == want, f"{got=} {want=}"

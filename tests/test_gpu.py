@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from conftest import ROOT, load_hf, random_prompts
+from conftest import FIRST_TEXT_ID, ROOT, load_hf, random_prompts
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -92,7 +92,9 @@ def test_4bit_float32_compute_tokens_match_hf_peft_4bit_eager_and_with_cuda_grap
         )
         for compiled in (False, True)
     ]
-    prompts = random_prompts([5, 70, 17, 33, 48], reference.config.get_text_config().vocab_size, seed=7)
+    prompts = random_prompts(
+        [5, 70, 17, 33, 48], reference.config.get_text_config().vocab_size, seed=7, low=FIRST_TEXT_ID
+    )
     for step in range(2):
         want = [_rollout_cuda(reference, ids, engines[0].end_ids) for ids in prompts]
         for engine, use_graph in ((engines[0], False), (engines[1], True)):
@@ -233,12 +235,14 @@ def test_skinny_gemv_configs_match_fp64_and_skinny_linear_is_deterministic_under
             assert torch.equal(static_M1N, got_M1N), f"{N=} {K=} {M=} {choice=}"
 
 
+@pytest.mark.parametrize("decode_attention", ["triton", "flex"])
 @pytest.mark.parametrize("page_size", [16, 128])
-def test_float32_gemma4_at_head_dims_256_and_512_fits_its_kernel_options_and_matches_hf(page_size):
+def test_float32_gemma4_at_head_dims_256_and_512_fits_its_kernel_options_and_matches_hf(page_size, decode_attention):
     """float32 at E2B's head dims (256 sliding, 512 full): the kernel options, per dtype and page
     size, fit the GPU's shared memory (bf16's prefill tiles do not) and flex's block-size rules
-    (decode tiles no wider than a page), and the tokens equal HF's, eager and with CUDA graphs. A
-    small model with E2B's attention shapes: 6 layers, 2 of them KV-shared."""
+    (decode tiles no wider than a page), and the tokens equal HF's, eager and with CUDA graphs, with
+    either decode attention (the Triton paged kernel, flex's decode kernel). A small model with
+    E2B's attention shapes: 6 layers, 2 of them KV-shared, a window (24) that is no multiple of a page."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from gemma4_flex_inference import FlexGemma4Inference
@@ -258,7 +262,7 @@ def test_float32_gemma4_at_head_dims_256_and_512_fits_its_kernel_options_and_mat
     assert {layer.self_attn.head_dim for layer in hf.model.layers} == {256, 512}
     engine = FlexGemma4Inference(
         copy.deepcopy(hf), None, max_batch_size=4, max_seq_length=256, n_pages=64, page_size=page_size,
-        max_new_tokens=MAX_NEW_TOKENS,
+        max_new_tokens=MAX_NEW_TOKENS, decode_attention=decode_attention,
     )  # fmt: skip
     prompts = random_prompts([5, 70, 17, 40, 130], config.vocab_size, seed=13)
     want = [_rollout_cuda(hf, ids, engine.end_ids) for ids in prompts]

@@ -4,35 +4,18 @@ torch.compile(fullgraph=True) graph with a symbolic batch. The race against cuBL
 are GPU matters: scripts/benchmarks/bench_gemv.py.
 """
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from conftest import run_triton_interpreter_check
 
 from qwen3_flex_inference import SKINNY_CHOICES, SKINNY_CONFIGS, SKINNY_MAX_ROWS, skinny_linear
 
-ROOT = Path(__file__).resolve().parents[1]
 # ||out - ref|| / ||ref|| against x.double() @ w.double().T; bf16 outputs are rounded to 8 bits.
 MAX_REL_ERR = {"float32": 1e-5, "bfloat16": 1e-2}
 
 
 def test_triton_kernel_of_every_config_matches_fp64_reference_in_interpreter():
-    pytest.importorskip("triton", reason="triton is not installed: the kernel test needs its CPU interpreter")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run(
-        [sys.executable, "-m", "tests.skinny_kernel_check"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    cases = json.loads(run.stdout)
+    cases = run_triton_interpreter_check("tests.skinny_kernel_check")
     assert {case["config"] for case in cases} == set(range(len(SKINNY_CONFIGS))), f"{len(cases)=}"
     for case in cases:
         assert "error" not in case, f"{case=}"

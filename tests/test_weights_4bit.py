@@ -16,7 +16,7 @@ import json
 
 import pytest
 import torch
-from conftest import hf_argmax_rollout, random_prompts
+from conftest import FIRST_TEXT_ID, hf_argmax_rollout, random_prompts
 
 import gemma4_flex_inference
 import qwen3_flex_inference
@@ -93,7 +93,7 @@ def case(request, tiny_dir):
     lora_engine = make_engine(
         name, load_4bit(name, path), peft_model=reference, compile_decode=name in ("qwen3", "gemma4")
     )
-    prompts = random_prompts(PROMPT_LENGTHS, reference.config.get_text_config().vocab_size, seed=5)
+    prompts = random_prompts(PROMPT_LENGTHS, reference.config.get_text_config().vocab_size, seed=5, low=FIRST_TEXT_ID)
     return dict(name=name, path=path, reference=reference, base=base_engine, lora=lora_engine, prompts=prompts)
 
 

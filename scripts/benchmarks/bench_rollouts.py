@@ -3,7 +3,9 @@
 Systems: `engine_eager`, `engine_graph`, `engine_compiled_graph` and `engine_fused_compiled_graph`
 (this engine: eager decode, CUDA-graph decode, a torch.compile'd decode step captured in CUDA
 graphs, and that with q/k/v and gate/up fused into one GEMM each; every one with the skinny
-GEMMs, `skinny_linear`), `engine_fused_compiled_graph_cublas` (the last with cuBLAS for every GEMM),
+GEMMs, `skinny_linear`, and the default decode attention), `engine_fused_compiled_graph_cublas` (the
+last with cuBLAS for every GEMM), `engine_fused_compiled_graph_flex` (the fused compiled
+step with flex_attention's decode kernel for every decode attention),
 `hf_dynamic` (generate, dynamic cache), `hf_static_compile` (generate, static cache,
 torch.compile with `--hf_compile_mode`), `hf_cb` (generate_batch continuous batching, where the
 installed transformers has it; an error is recorded when it refuses the model). Workload: a
@@ -33,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SYSTEMS = [
     "engine_eager", "engine_graph", "engine_compiled_graph", "engine_fused_compiled_graph",
     "engine_fused_compiled_graph_cublas", "engine_fused_compiled_graph_sample", "engine_fused_compiled_graph_top_p",
+    "engine_fused_compiled_graph_flex",
     "hf_dynamic", "hf_static_compile", "hf_cb",
 ]  # fmt: skip
 
@@ -329,6 +332,7 @@ def main() -> int:
                     compile_decode="compiled" in system,
                     fuse_projections="fused" in system,
                     skinny_gemms="cublas" not in system,
+                    decode_attention="flex" if system.endswith("_flex") else None,
                 )
                 sampling = next((params for name, params in SAMPLING.items() if system.endswith("_" + name)), None)
                 result, engine = run_engine(model, prompts, args.new_tokens, use_graph, sampling, **options)

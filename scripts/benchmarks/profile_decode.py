@@ -47,7 +47,8 @@ KERNEL_CLASSES = [  # (class, substrings of the kernel name), first match wins
         "GEMM (skinny_linear, Triton)",
         ("_skinny_matmul", "_skinny_split_k"),
     ),  # not inductor's kernels fused around the op
-    ("flex attention", ("flex", "triton_tem")),
+    # flex_attention's kernels (and inductor's kernels fused around its mask), or the paged Triton kernel
+    ("decode attention", ("flex", "triton_tem", "_paged_decode_attention_kernel", "_paged_decode_combine_kernel")),
     ("GEMM", ("gemm", "gemv", "nvjet", "cutlass", "sm90_", "splitk")),
     ("copy / cast", ("copy", "memcpy", "memset", "cat", "to_copy", "Memcpy", "Memset")),
     ("reduction", ("reduce", "triton_red", "triton_per", "softmax", "argmax")),
@@ -74,10 +75,19 @@ def kernel_times(engine, prompts, new_tokens: int) -> dict[str, list[float]]:
 
 def decode_kernel_table(engine, prompts, num_steps: int, top: int = 25) -> tuple[list[dict], dict]:
     """The top kernels of a decode step and its GPU time per kernel class, in us per step: a
-    generate of num_steps + 1 tokens minus one of 1 token (the prefill)."""
-    prefill = kernel_times(engine, prompts, 1)
+    generate of num_steps + 1 tokens minus one of 1 token (the prefill). Every prompt is prefilled
+    at once, so that each of the num_steps decode steps runs the whole batch (with the engine's
+    prefill budget, a large batch would start decoding while later prompts still prefill)."""
+    scheduler = engine.scheduler
+    prefill_budget = scheduler.max_prefill_tokens
+    scheduler.max_prefill_tokens = max(prefill_budget, sum(len(p) for p in prompts))
+    try:
+        prefill = kernel_times(engine, prompts, 1)
+        decode = kernel_times(engine, prompts, num_steps + 1)
+    finally:
+        scheduler.max_prefill_tokens = prefill_budget
     rows = []
-    for name, (us, count) in kernel_times(engine, prompts, num_steps + 1).items():
+    for name, (us, count) in decode.items():
         prefill_us, prefill_count = prefill.get(name, (0.0, 0))
         if count > prefill_count:
             rows.append(
