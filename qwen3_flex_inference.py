@@ -10,15 +10,16 @@ The file reads in the order a request travels:
 4. Attention over the paged cache: each step's view for one layer (`PrefillStep`, `DecodeStep`),
    the paged KV cache, the block masks and the decode attention op.
 5. Tokens out: greedy tokens, and sampling (temperature, top-k, top-p, min-p) with log-probs.
-6. Kernels: compiled flex_attention and its options, the compile-shape policy, skinny decode
-   GEMMs, rotary.
+6. Kernels: compiled flex_attention and its options, the compile-shape policy, rotary, skinny
+   decode GEMMs, the Triton paged decode attention.
 7. The model patches (Qwen3/Llama attention, fused projections), the LoRA double-copy, unmerged
    LoRA (4-bit weights) and the drift check, data parallel (one engine per torchrun rank), TRL's
    GRPOTrainer rollout function, loaders (bf16 or bitsandbytes 4-bit), and last the CLI.
 
 Ideas taken from: PagedAttention (vLLM) for the paged KV cache; nano-vllm and flex-nano-vllm for
 the scheduler / model-runner split, the page table and turning a logical block mask into a
-physical one; attention-gym's paged-attention example; gpt-fast for CUDA-graph decode; for the
+physical one; attention-gym's paged-attention example; FlashDecoding (Dao et al., 2023) for the
+paged decode attention kernel's split-KV over each row's pages; gpt-fast for CUDA-graph decode; for the
 few-row GEMMs, split-K work decomposition (Hoque et al., "Accelerating a Triton Fused Kernel for
 W4A16 Quantized Inference with SplitK", 2024; here without atomics) and putting the weight on the
 MMA's wide side ("swap AB", as vLLM's small-batch CUTLASS GEMMs do); for sampling, the Gumbel-max
@@ -2440,10 +2441,11 @@ def _skinny_linear_shape(x, weight):
 # Paged decode attention: a Triton kernel over each row's own pages (CUDA)
 # ---------------------------------------------------------------------------------------------
 
-# flex_attention's decode path costs ~4 kernels a layer (the block mask's mask_mod tensors, the
-# split-KV main kernel, its combine) and ~9.5 us a layer at batch 1 (scripts/benchmarks/README.md).
-# The kernel below reads the rows' pages straight from the block tensors the step already has
-# (the physical pages of each row's visible logical blocks), and needs no mask tensors.
+# flex_attention's decode path launches four kernels a layer (the block mask's mask_mod tensors,
+# the split-KV main kernel, its combine), most of a small decode step's attention time
+# (scripts/benchmarks/README.md, "Speed, round 2"). The kernel below reads the rows' pages straight
+# from the block tensors the step already has (the physical pages of each row's visible logical
+# blocks), and needs no mask tensors: one launch a layer, two with splits.
 #
 # Kernel design (q [B, H, D] over caches [1, H_kv, rows, D]; FlashDecoding's split-KV):
 # - Program (b, kv_head, split) owns row b's query heads of one KV head (the GQA group, padded to
@@ -2575,9 +2577,8 @@ def resolve_decode_attention(decode_attention: str | None, device: torch.device)
 
 def pick_decode_attention(backend: str, q: torch.Tensor) -> str:
     """The backend of one decode attention call: "auto" takes the Triton kernel except at head_dim
-    above 256 with more than 8 rows, where flex's decode kernel measured as fast or faster (E2B's
-    head_dim 512 at 64 rows: 28 against 29 us, at 256 rows 78 against 84 us; at 1-8 rows and at
-    head_dim 256 the Triton kernel took 58-75% of flex's time: bench_decode_attention.py)."""
+    above 256 with more than 8 rows, where flex's decode kernel measured as fast or faster
+    (bench_decode_attention.py; numbers in scripts/benchmarks/README.md)."""
     if backend != "auto":
         return backend
     return "flex" if q.shape[-1] > 256 and q.shape[0] > 8 else "triton"
@@ -2585,8 +2586,8 @@ def pick_decode_attention(backend: str, q: torch.Tensor) -> str:
 
 def paged_decode_splits(num_rows: int, num_kv_heads: int, device: torch.device) -> int:
     """Splits of each row's positions: the largest power of two, up to PAGED_DECODE_MAX_SPLITS, that
-    keeps the programs within two per SM (the fastest split count at 1, 8, 64 and 256 rows of E2B's
-    attention on an H200: 16, 16, 4, 1; bench_decode_attention.py)."""
+    keeps the programs within two per SM (the fastest split counts at 1 to 256 rows of E2B's
+    attention on an H200: bench_decode_attention.py)."""
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
     splits = 1
     while splits < PAGED_DECODE_MAX_SPLITS and num_rows * num_kv_heads * splits * 2 <= 2 * num_sms:
