@@ -94,6 +94,8 @@ def test_triton_decode_attention_on_the_cpu_exits_saying_it_needs_cuda_and_flex_
     assert_one_sentence(message, "--decode_attention triton needs a CUDA device", "flex runs everywhere")
     engine = FlexInference(qwen3_model, None, max_batch_size=2, max_seq_length=256, n_pages=64, page_size=16)
     assert engine.runner.decode_attention == "flex"  # the CPU default
+    with pytest.raises(FlexInferenceError, match="decode_attention must be triton or flex, got 'fast'"):
+        FlexInference(qwen3_model, None, max_batch_size=2, max_seq_length=256, n_pages=64, decode_attention="fast")
 
 
 def test_cli_n_pages_defaults_to_auto():
