@@ -220,8 +220,8 @@ class Gemma4ModelRunner(ModelRunner):
         )
         return self.decoder.norm(hidden_1NE)
 
-    def logits(self, hidden_NE: torch.Tensor) -> torch.Tensor:
-        logits_NV = self.causal_lm.lm_head(hidden_NE).float()
+    def final_logits(self, head_out_NV: torch.Tensor) -> torch.Tensor:
+        logits_NV = head_out_NV.float()
         softcap = self.config.final_logit_softcapping
         if softcap is not None:
             logits_NV = torch.tanh(logits_NV / softcap) * softcap

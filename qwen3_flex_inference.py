@@ -1202,7 +1202,11 @@ class ModelRunner:
         return self.forward_hidden(input_ids_1T, position_ids_1T, step)[:, last_positions_N]
 
     def logits(self, hidden_NE: torch.Tensor) -> torch.Tensor:
-        return self.causal_lm.lm_head(hidden_NE).float()
+        return self.final_logits(self.causal_lm.lm_head(hidden_NE))
+
+    def final_logits(self, head_out_NV: torch.Tensor) -> torch.Tensor:
+        """float32 logits from the lm_head's output (in the model's dtype)."""
+        return head_out_NV.float()
 
     # --- the layer walk ----------------------------------------------------------------------
 
@@ -1340,18 +1344,23 @@ class ModelRunner:
         hidden_B1E, layer_inputs = self.embed(input_ids_B[:, None], input_pos_B[:, None])
         return regime_tensors, hidden_B1E, layer_inputs
 
+    # NOTE: the decode epilogues return the lm_head's output, not the float32 logits: the token
+    # choice reads those logits inside its fused reductions, and a step's float32 logits (268 MB at
+    # 256 rows of Gemma's 262,144 entries) would otherwise be written for record_logits alone,
+    # which applies final_logits to the rows it keeps (scripts/benchmarks/README.md, round 2).
     def _decode_epilogue(self, hidden_B1E: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Final norm, logits [B, V] and greedy tokens [B]."""
-        logits_BV = self.logits(self.decoder.norm(hidden_B1E)[:, -1])
-        return first_argmax(logits_BV), logits_BV
+        """Final norm, greedy tokens [B] and the lm_head's output [B, V]."""
+        head_out_BV = self.causal_lm.lm_head(self.decoder.norm(hidden_B1E)[:, -1])
+        return first_argmax(self.final_logits(head_out_BV)), head_out_BV
 
     def _decode_sampling_epilogue(
         self, hidden_B1E, float_params_B3, int_params_B2, input_pos_B, is_filtered: bool
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Final norm, logits [B, V], and sampled tokens [B] with their log-probs [B]."""
-        logits_BV = self.logits(self.decoder.norm(hidden_B1E)[:, -1])
+        """Final norm, sampled tokens [B] with their log-probs [B], and the lm_head's output [B, V]."""
+        head_out_BV = self.causal_lm.lm_head(self.decoder.norm(hidden_B1E)[:, -1])
+        logits_BV = self.final_logits(head_out_BV)
         tokens_B, logprobs_B = sample_tokens(logits_BV, float_params_B3, int_params_B2, input_pos_B + 1, is_filtered)
-        return tokens_B, logprobs_B, logits_BV
+        return tokens_B, logprobs_B, head_out_BV
 
     def _run_decode_layer(self, layer: nn.Module, hidden_B1E: torch.Tensor, **layer_kwargs) -> torch.Tensor:
         """One decoder layer of the decode step (compiled: its batch-sized inputs marked symbolic)."""
@@ -1363,7 +1372,8 @@ class ModelRunner:
         """One token for every row: tensor ops only (no host sync), so it can be graph-captured.
         `mode` (sampling_mode): greedy, or sampling with the static sampling inputs.
 
-        Returns (next_ids [B], what the host copies: next_ids or [2, B] tokens and log-probs, logits [B, V]).
+        Returns (next_ids [B], what the host copies: next_ids or [2, B] tokens and log-probs, the
+        lm_head's output [B, V]).
         """
         # NOTE: no duck sizing while the regions compile: it makes one symbol of every two sizes
         # that happen to be equal (a PLE slice's storage offset and a batch slot row's, say), and
@@ -1391,16 +1401,16 @@ class ModelRunner:
             )
             mark_compile_shapes("batch", hidden_B1E, is_batch_symbolic=self.compile_decode)
             if mode == GREEDY_MODE:
-                next_ids_B, logits_BV = self.decode_epilogue(hidden_B1E)
-                return next_ids_B, next_ids_B, logits_BV
+                next_ids_B, head_out_BV = self.decode_epilogue(hidden_B1E)
+                return next_ids_B, next_ids_B, head_out_BV
             bucket = input_ids_B.shape[0]
             float_params_B3, int_params_B2 = self.static_sampling_float[:bucket], self.static_sampling_int[:bucket]
             mark_compile_shapes("batch", float_params_B3, int_params_B2, is_batch_symbolic=self.compile_decode)
-            next_ids_B, logprobs_B, logits_BV = self.decode_sampling_epilogue(
+            next_ids_B, logprobs_B, head_out_BV = self.decode_sampling_epilogue(
                 hidden_B1E, float_params_B3, int_params_B2, input_pos_B, mode == FILTERED_MODE
             )
             mark_compile_shapes("batch", next_ids_B, logprobs_B, is_batch_symbolic=self.compile_decode)
-            return next_ids_B, self.pack_samples(next_ids_B, logprobs_B), logits_BV
+            return next_ids_B, self.pack_samples(next_ids_B, logprobs_B), head_out_BV
 
     def _static_step_inputs(self, bucket: int) -> list[torch.Tensor]:
         """Rows 0..bucket-1 of the static token ids, positions and batch slots."""
@@ -1441,10 +1451,10 @@ class ModelRunner:
             self.static_step_inputs[0, :B].copy_(previous.next_ids[:B])
             self.static_step_inputs[1, :B] += 1
         if use_graph:
-            graph, next_ids, host_source, logits = self.cuda_graphs[bucket, mode]
+            graph, next_ids, host_source, head_out = self.cuda_graphs[bucket, mode]
             graph.replay()
         else:
-            next_ids, host_source, logits = self._decode_step(*self._static_step_inputs(bucket), mode)
+            next_ids, host_source, head_out = self._decode_step(*self._static_step_inputs(bucket), mode)
         # The tokens go to a host buffer of their own: a chained step overwrites a graph's outputs.
         host_buffers = self.host_next_ids if mode == GREEDY_MODE else self.host_samples
         host_out = host_buffers[self.num_decode_launches % 2][..., :B]
@@ -1454,7 +1464,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             is_done = torch.cuda.Event()
             is_done.record()
-        logits_BV = logits[:B].clone() if any(seq.record_logits for seq in rows) else None
+        # a copy: the next replay overwrites the graph's output
+        logits_BV = self.final_logits(head_out[:B].clone()) if any(seq.record_logits for seq in rows) else None
         return DecodeLaunch(rows, mode, next_ids, host_out, is_done, logits_BV)
 
     def capture_cuda_graphs(self, buckets: list[int] | None = None, modes=(GREEDY_MODE,)) -> dict[tuple, float]:
@@ -2200,6 +2211,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 # in scripts/benchmarks/README.md), so racing buckets above 16 would cost start-up time (a BLOCK_M
 # variant of every config to compile) for little.
 SKINNY_MAX_ROWS = 16  # rows (decode batch) up to which skinny_linear races the Triton kernel against cuBLAS
+SKINNY_KERNEL_MAX_ROWS = 64  # rows the kernel takes (BLOCK_M: the row bucket, at least 16)
 SKINNY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SKINNY_REDUCE_BLOCK = 1024  # elements per program of the split-K reduction
 
@@ -2282,14 +2294,15 @@ if triton is not None:
 def skinny_matmul_triton(x2d_MK: torch.Tensor, w_NK: torch.Tensor, config: SkinnyConfig) -> torch.Tensor:
     """out_MN = x2d_MK @ w_NK^T through the Triton kernel(s) of one config.
 
-    M <= SKINNY_MAX_ROWS; x and w of one dtype in SKINNY_DTYPES, K contiguous in both; fp32
+    M <= SKINNY_KERNEL_MAX_ROWS; x and w of one dtype in SKINNY_DTYPES, K contiguous in both; fp32
     accumulation, out_MN in x's dtype. Runs on CUDA, or on CPU tensors under TRITON_INTERPRET=1.
     """
     M, K = x2d_MK.shape
     N = w_NK.shape[0]
-    if not (0 < M <= SKINNY_MAX_ROWS and w_NK.shape[1] == K and x2d_MK.stride(1) == 1 and w_NK.stride(1) == 1):
+    is_k_contiguous = x2d_MK.stride(1) == 1 and w_NK.stride(1) == 1
+    if not (0 < M <= SKINNY_KERNEL_MAX_ROWS and w_NK.shape[1] == K and is_k_contiguous):
         raise ValueError(
-            f"skinny_matmul_triton needs 1..{SKINNY_MAX_ROWS} rows and K contiguous: "
+            f"skinny_matmul_triton needs 1..{SKINNY_KERNEL_MAX_ROWS} rows and K contiguous: "
             f"x {tuple(x2d_MK.shape)}, w {tuple(w_NK.shape)}"
         )
     if x2d_MK.dtype != w_NK.dtype or x2d_MK.dtype not in SKINNY_DTYPES:
@@ -2306,7 +2319,7 @@ def skinny_matmul_triton(x2d_MK: torch.Tensor, w_NK: torch.Tensor, config: Skinn
     )
     _skinny_matmul_kernel[(triton.cdiv(N, config.block_n), config.split_k)](
         x2d_MK, w_NK, partials_SMN, M, N, K, x2d_MK.stride(0), w_NK.stride(0), N, M * N if config.split_k > 1 else 0,
-        BLOCK_M=SKINNY_MAX_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k,
+        BLOCK_M=max(16, skinny_rows_bucket(M)), BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k,
         # NOTE: float32 operands would go through TF32 by default (~1e-3 relative error); "ieee" keeps fp32.
         INPUT_PRECISION="ieee" if x2d_MK.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -2605,6 +2618,9 @@ def paged_decode_attention_triton(
     sliding_window: int | None,
     scale: float,
     num_splits: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int = 2,
 ) -> torch.Tensor:
     """Decode attention over the paged cache through the Triton kernel(s).
 
@@ -2612,6 +2628,8 @@ def paged_decode_attention_triton(
     pages_BP [B, >= visible blocks]: row b's visible logical blocks' physical pages, in logical
     order from the window's left edge (PageTable.decode_blocks); input_pos_B: each query's logical
     position. Returns [B, H, 1, D] in q's dtype. Runs on CUDA, or on CPU tensors under TRITON_INTERPRET=1.
+    num_splits, block_n (positions a loop step), num_warps and num_stages default to the engine's
+    choice; the benchmark sweeps them.
     """
     B, H, _, D = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -2621,7 +2639,7 @@ def paged_decode_attention_triton(
             f"q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}"
         )
     group = H // num_kv_heads
-    block_n = min(page_size, 16 if D > 256 else 32)
+    block_n = block_n or min(page_size, 16 if D > 256 else 32)
     if page_size % block_n:
         raise ValueError(f"paged decode attention needs a page size that is a multiple of {block_n}: {page_size}")
     num_splits = num_splits or paged_decode_splits(B, num_kv_heads, q.device)
@@ -2647,7 +2665,7 @@ def paged_decode_attention_triton(
         # NOTE: float32 operands would go through TF32 by default (~1e-3 relative error); "ieee" keeps fp32.
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         # 8 warps where a program's tiles (q, K, V, the fp32 accumulator) would spill from 4 warps' registers
-        num_warps=8 if D * q.element_size() >= 1024 else 4, num_stages=2,
+        num_warps=num_warps or (8 if D * q.element_size() >= 1024 else 4), num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
         _paged_decode_combine_kernel[(B, H)](

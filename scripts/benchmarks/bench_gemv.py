@@ -11,6 +11,9 @@ with one E2B decode step's GEMM time (the per-step use counts below): cuBLAS onl
 backend per shape, and the op's picks.
 
     python -m scripts.benchmarks.bench_gemv --num_rows 1 2 8 16 --out gemv.json
+    python -m scripts.benchmarks.bench_gemv --num_rows 32 64 --sweep --out gemv_sweep.json
+
+--sweep times a grid of kernel configs (SWEEP_CONFIGS, for 17-64 rows) instead of the op's own.
 """
 
 import argparse
@@ -47,6 +50,15 @@ E2B_SHAPES = {
     "lm_head": (262144, 1536, 1),
 }
 DTYPE = torch.bfloat16
+# Configs for 17-64 rows, where the x tile (BLOCK_M x BLOCK_K, from L2) is as large as the weight
+# tile: wider weight tiles, split-K to keep >= ~132 programs on N = 1536, deeper pipelines.
+SWEEP_CONFIGS = tuple(
+    engine.SkinnyConfig(block_n, block_k, split_k, num_warps, num_stages)
+    for block_n, block_k, num_warps, num_stages in (
+        (64, 128, 4, 4), (128, 128, 4, 3), (128, 128, 8, 4), (128, 64, 4, 4), (256, 64, 8, 3), (64, 256, 4, 3)
+    )
+    for split_k in (1, 2, 4, 8, 16)
+)  # fmt: skip
 
 
 def graph_us_per_call(call, num_calls: int, num_replays: int) -> float:
@@ -88,7 +100,7 @@ def measure_shape(name: str, N: int, K: int, num_rows: list[int], args) -> list[
         x_MK = torch.randn(M, K, dtype=DTYPE, device="cuda")
         ref_MN = torch.nn.functional.linear(x_MK.float(), weights_CNK[0].float())
         backends = {"cublas": lambda w_NK: torch.nn.functional.linear(x_MK, w_NK)}
-        for idx, config in enumerate(engine.SKINNY_CONFIGS):
+        for idx, config in enumerate(args.configs):
             backends[f"triton{idx}"] = lambda w_NK, config=config: engine.skinny_matmul_triton(x_MK, w_NK, config)
         base = {
             "shape": name,
@@ -111,10 +123,13 @@ def measure_shape(name: str, N: int, K: int, num_rows: list[int], args) -> list[
             except Exception as error:  # report every failure mode (out of resources, mismatch, capture) and go on
                 row["error"] = f"{type(error).__name__}: {str(error)[:200]}"
             m_rows.append(row)
-        # The op's own race (L2-flushed eager timing on one weight), for comparison with the graph numbers.
+        # The op's own race (L2-flushed eager timing on one weight), for comparison with the graph
+        # numbers; above SKINNY_MAX_ROWS the op is cuBLAS.
         engine.skinny_linear(x_MK, weights_CNK[0])
-        choice = engine.SKINNY_CHOICES[(N, K, "bfloat16", engine.skinny_rows_bucket(M))]
-        winner = choice["winner"] if choice["winner"] == "cublas" else f"triton{choice['winner']}"
+        choice = engine.SKINNY_CHOICES.get((N, K, "bfloat16", engine.skinny_rows_bucket(M)), {"winner": "cublas"})
+        winner = "cublas" if choice["winner"] == "cublas" else f"triton{choice['winner']}"
+        if args.sweep and winner != "cublas":
+            winner = "op's own config"  # not among the swept ones
         for row in m_rows:
             row["op_pick"] = winner
         rows += m_rows
@@ -185,7 +200,7 @@ def summarize(rows: list[dict], num_rows: list[int]) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--num_rows", type=int, nargs="+", default=[1, 2, 8, 16], help="decode rows M to measure (each <= 16)"
+        "--num_rows", type=int, nargs="+", default=[1, 2, 8, 16], help="decode rows M to measure (each <= 64)"
     )
     parser.add_argument(
         "--shapes", nargs="+", default=list(E2B_SHAPES), choices=list(E2B_SHAPES), help="which E2B weight shapes"
@@ -205,14 +220,16 @@ def main() -> int:
     parser.add_argument(
         "--replays", type=int, default=10, help="timed graph replays per (shape, M, backend); the median counts"
     )
+    parser.add_argument("--sweep", action="store_true", help="time SWEEP_CONFIGS instead of SKINNY_CONFIGS")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
+    args.configs = SWEEP_CONFIGS if args.sweep else engine.SKINNY_CONFIGS
     if not torch.cuda.is_available():
         raise SystemExit("bench_gemv.py needs CUDA: run it on the GPU machine (e.g. scripts/gpu_check.sh gemv).")
     if engine.triton is None:
         raise SystemExit("bench_gemv.py needs triton: use a CUDA build of torch, which brings it.")
-    if not all(0 < M <= engine.SKINNY_MAX_ROWS for M in args.num_rows):
-        raise SystemExit(f"--num_rows must each be 1..{engine.SKINNY_MAX_ROWS}: got {args.num_rows}")
+    if not all(0 < M <= engine.SKINNY_KERNEL_MAX_ROWS for M in args.num_rows):
+        raise SystemExit(f"--num_rows must each be 1..{engine.SKINNY_KERNEL_MAX_ROWS}: got {args.num_rows}")
     torch.manual_seed(0)
     properties = torch.cuda.get_device_properties(0)
     print(
@@ -220,7 +237,7 @@ def main() -> int:
         end="; ",
     )
     print(f"torch {torch.__version__}, triton {engine.triton.__version__}")
-    for idx, config in enumerate(engine.SKINNY_CONFIGS):
+    for idx, config in enumerate(args.configs):
         print(f"triton{idx}: {config}")
     rows = []
     for name in args.shapes:
@@ -233,7 +250,7 @@ def main() -> int:
             json.dump(
                 {
                     "device": properties.name, "torch": torch.__version__, "triton": engine.triton.__version__,
-                    "configs": [dataclasses.asdict(config) for config in engine.SKINNY_CONFIGS],
+                    "configs": [dataclasses.asdict(config) for config in args.configs],
                     "results": rows, "step_totals_us": totals,
                     "op_choices": {",".join(map(str, key)): choice for key, choice in engine.SKINNY_CHOICES.items()},
                 },
