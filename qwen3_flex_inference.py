@@ -1647,7 +1647,7 @@ class DecodeStep:
     physical_slots: dict[str, torch.Tensor]  # attention regime -> [B] cache row of each row's token
     kv_caches: list[PagedKVCache | None]  # per layer; None for layers that own no cache
     kernel_options: dict[int, KernelOptions]  # head_dim -> options
-    attention_backend: str  # "triton" (paged_decode_attention_triton), "flex", or "auto" (pick_decode_attention)
+    attention_backend: str  # "triton" (paged_decode_attention_triton) or "flex"
 
     def for_layer(self, cache_layer_idx: int, regime: str = FULL_ATTENTION) -> DecodeLayerStep:
         """The step as one layer sees it: the cache it writes (or, KV-shared, reads) and its regime's mask.
@@ -1869,12 +1869,12 @@ def paged_decode_attention(
 
     `backend` "triton": the project's paged kernel over each row's listed pages
     (paged_decode_attention_triton); "flex": flex_attention's decode kernel with the rebuilt
-    BlockMask and `kernel_options`; "auto": either, by head_dim and rows (pick_decode_attention).
+    BlockMask and `kernel_options`.
     An opaque op, so a compiled decode step with a symbolic batch size still calls flex_attention's
     decode kernel compiled for the concrete batch bucket: traced into the symbolic-batch graph,
     that kernel ran several times slower (scripts/benchmarks/README.md).
     """
-    if pick_decode_attention(backend, q) == "triton":
+    if backend == "triton":
         pages_BP = kv_indices.view(q.shape[0], -1)
         return paged_decode_attention_triton(
             q, k_cache, v_cache, pages_BP, input_pos_B, page_size, sliding_window, scale
@@ -2574,9 +2574,11 @@ if triton is not None:
 
 
 def resolve_decode_attention(decode_attention: str | None, device: torch.device) -> str:
-    """The decode attention backend: "auto" by default on CUDA (pick_decode_attention), "flex" elsewhere."""
+    """The decode attention backend: by default the Triton kernel on CUDA, which measured faster
+    than flex's decode kernel at 1-256 rows of E2B's attention (bench_decode_attention.py;
+    numbers in scripts/benchmarks/README.md), and flex elsewhere."""
     if decode_attention is None:
-        return "auto" if device.type == "cuda" and triton is not None else "flex"
+        return "triton" if device.type == "cuda" and triton is not None else "flex"
     if decode_attention not in ("triton", "flex"):
         raise FlexInferenceError(
             f"decode_attention must be triton or flex, got {decode_attention!r}", "decode_attention"
@@ -2586,15 +2588,6 @@ def resolve_decode_attention(decode_attention: str | None, device: torch.device)
             "decode_attention triton needs a CUDA device and triton; flex runs everywhere", "decode_attention"
         )
     return decode_attention
-
-
-def pick_decode_attention(backend: str, q: torch.Tensor) -> str:
-    """The backend of one decode attention call: "auto" takes the Triton kernel except at head_dim
-    above 256 with more than 8 rows, where flex's decode kernel measured as fast or faster
-    (bench_decode_attention.py; numbers in scripts/benchmarks/README.md)."""
-    if backend != "auto":
-        return backend
-    return "flex" if q.shape[-1] > 256 and q.shape[0] > 8 else "triton"
 
 
 def paged_decode_splits(num_rows: int, num_kv_heads: int, device: torch.device) -> int:
@@ -2639,7 +2632,10 @@ def paged_decode_attention_triton(
             f"q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}"
         )
     group = H // num_kv_heads
-    block_n = block_n or min(page_size, 16 if D > 256 else 32)
+    # NOTE: 32 positions a step and 4 warps at head_dim 256 and 512 in bf16 (the tile sweep of
+    # bench_decode_attention.py); float32 at 512 halves the step to fit two stages in shared memory.
+    tile_bytes = D * q.element_size()
+    block_n = block_n or min(page_size, 32 if tile_bytes <= 1024 else 16)
     if page_size % block_n:
         raise ValueError(f"paged decode attention needs a page size that is a multiple of {block_n}: {page_size}")
     num_splits = num_splits or paged_decode_splits(B, num_kv_heads, q.device)
@@ -2665,7 +2661,7 @@ def paged_decode_attention_triton(
         # NOTE: float32 operands would go through TF32 by default (~1e-3 relative error); "ieee" keeps fp32.
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         # 8 warps where a program's tiles (q, K, V, the fp32 accumulator) would spill from 4 warps' registers
-        num_warps=num_warps or (8 if D * q.element_size() >= 1024 else 4), num_stages=num_stages,
+        num_warps=num_warps or (8 if tile_bytes > 1024 else 4), num_stages=num_stages,
     )  # fmt: skip
     if num_splits > 1:
         _paged_decode_combine_kernel[(B, H)](
@@ -3610,8 +3606,7 @@ def build_arg_parser(default_model_name: str, description: str) -> argparse.Argu
     p.add_argument(
         "--decode_attention", choices=("triton", "flex"), default=None,
         help="decode attention over the paged cache: the project's Triton kernel over each row's pages, or "
-        "flex_attention's decode kernel (default on CUDA: triton, except flex at head_dim 512 above 8 rows; "
-        "flex on the CPU)",
+        "flex_attention's decode kernel (default: triton on CUDA, flex on the CPU)",
     )  # fmt: skip
     p.add_argument("--lora_adapter", default=None, help="PEFT LoRA adapter folder, merged with the double-copy refresh")
     p.add_argument(

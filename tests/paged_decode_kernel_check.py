@@ -22,6 +22,7 @@ CASES = [
     (4, 8, 1, 256, 32, None, torch.bfloat16, 4),
     (3, 8, 1, 512, 16, None, torch.float32, 1),
     (3, 8, 1, 512, 16, None, torch.float32, 2),
+    (3, 8, 1, 512, 32, None, torch.bfloat16, 2),
     (4, 8, 1, 256, 16, 40, torch.float32, 4),
     (4, 4, 2, 64, 16, 33, torch.bfloat16, 1),
     (3, 32, 8, 128, 16, None, torch.float32, 2),
