@@ -2177,6 +2177,22 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
+def is_programmatic_launch_on(device: torch.device) -> bool:
+    """Whether the project's Triton kernels launch with programmatic dependent launch (PDL): with
+    inductor's own switch (`torch._inductor.config.triton.enable_pdl`, TORCHINDUCTOR_ENABLE_PDL=1),
+    on Hopper or later. A kernel launched so may start while the previous one finishes: it waits
+    (gdc_wait) before it reads anything the previous kernels write."""
+    import torch._inductor.config as inductor_config
+
+    is_enabled = device.type == "cuda" and triton is not None and inductor_config.triton.enable_pdl
+    return is_enabled and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def programmatic_launch_option(use_pdl: bool) -> dict:
+    """The launch keyword of a PDL launch (none otherwise: triton's interpreter takes no such keyword)."""
+    return {"launch_pdl": True} if use_pdl else {}
+
+
 # ---------------------------------------------------------------------------------------------
 # Skinny decode GEMMs: a Triton GEMV for few rows, raced against cuBLAS per weight shape
 # ---------------------------------------------------------------------------------------------
@@ -2214,6 +2230,9 @@ SKINNY_MAX_ROWS = 16  # rows (decode batch) up to which skinny_linear races the 
 SKINNY_KERNEL_MAX_ROWS = 64  # rows the kernel takes (BLOCK_M: the row bucket, at least 16)
 SKINNY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SKINNY_REDUCE_BLOCK = 1024  # elements per program of the split-K reduction
+# weight bytes each program prefetches into L2 before it waits for the previous kernel, under
+# programmatic dependent launch: a few MB for the programs resident at once, far below L2's 50 MB
+SKINNY_PREFETCH_BYTES = 32 * 1024
 
 
 @dataclass(frozen=True)
@@ -2253,7 +2272,8 @@ if triton is not None:
     def _skinny_matmul_kernel(
         x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_split,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-        INPUT_PRECISION: tl.constexpr,
+        INPUT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr,
+        LINE_ELEMS: tl.constexpr,
     ):  # fmt: skip
         """out[s, M, N] = x[M, K] @ w[N, K]^T over split s's run of K chunks; fp32 accumulation."""
         pid_n = tl.program_id(0)
@@ -2263,6 +2283,19 @@ if triton is not None:
         chunks_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
         k_start = pid_split * chunks_per_split * BLOCK_K
         k_end = tl.minimum(k_start + chunks_per_split * BLOCK_K, K)  # the last splits may be empty
+        if USE_PDL:
+            # Launched early (programmatic dependent launch): the first PREFETCH_LINES 128-byte
+            # lines of each of this program's weight rows go to L2 while the previous kernel
+            # finishes, since the weight does not depend on it; x is read and out written only
+            # after the wait.
+            offs_line_k = k_start + tl.arange(0, PREFETCH_LINES) * LINE_ELEMS
+            is_line = (offs_n[:, None] < N) & (offs_line_k[None, :] < k_end)
+            line_ptrs = tl.where(is_line, w_ptr + offs_n[:, None] * stride_wn + offs_line_k[None, :], w_ptr)
+            tl.inline_asm_elementwise(
+                "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [line_ptrs], dtype=tl.int32, is_pure=False, pack=1
+            )
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         acc_NM = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -2281,8 +2314,13 @@ if triton is not None:
         tl.store(out_ptrs, acc_NM.to(out_ptr.dtype.element_ty), mask=(offs_m[None, :] < M) & (offs_n[:, None] < N))
 
     @triton.jit(do_not_specialize=["numel"])
-    def _skinny_split_k_reduce_kernel(partials_ptr, out_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    def _skinny_split_k_reduce_kernel(
+        partials_ptr, out_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
+    ):
         """out[i] = sum over s of partials[s, i], always in the order s = 0, 1, ...: bitwise reproducible."""
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < numel
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -2317,17 +2355,21 @@ def skinny_matmul_triton(x2d_MK: torch.Tensor, w_NK: torch.Tensor, config: Skinn
     partials_SMN = (
         out_MN if config.split_k == 1 else torch.empty(config.split_k, M, N, dtype=torch.float32, device=x2d_MK.device)
     )
+    use_pdl = is_programmatic_launch_on(x2d_MK.device)
+    line_elems = 128 // x2d_MK.element_size()
     _skinny_matmul_kernel[(triton.cdiv(N, config.block_n), config.split_k)](
         x2d_MK, w_NK, partials_SMN, M, N, K, x2d_MK.stride(0), w_NK.stride(0), N, M * N if config.split_k > 1 else 0,
         BLOCK_M=max(16, skinny_rows_bucket(M)), BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k,
         # NOTE: float32 operands would go through TF32 by default (~1e-3 relative error); "ieee" keeps fp32.
         INPUT_PRECISION="ieee" if x2d_MK.dtype == torch.float32 else "tf32",
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        USE_PDL=use_pdl, PREFETCH_LINES=max(1, SKINNY_PREFETCH_BYTES // (config.block_n * 128)), LINE_ELEMS=line_elems,
+        num_warps=config.num_warps, num_stages=config.num_stages, **programmatic_launch_option(use_pdl),
     )  # fmt: skip
     if config.split_k > 1:
         _skinny_split_k_reduce_kernel[(triton.cdiv(M * N, SKINNY_REDUCE_BLOCK),)](
-            partials_SMN, out_MN, M * N, SPLIT_K=config.split_k, BLOCK=SKINNY_REDUCE_BLOCK
-        )
+            partials_SMN, out_MN, M * N, SPLIT_K=config.split_k, BLOCK=SKINNY_REDUCE_BLOCK, USE_PDL=use_pdl,
+            **programmatic_launch_option(use_pdl),
+        )  # fmt: skip
     return out_MN
 
 
@@ -2483,10 +2525,13 @@ if triton is not None:
         stride_qb, stride_qh, stride_kh, stride_kr, stride_vh, stride_vr, stride_pb,
         NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
         HEAD_DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
     ):  # fmt: skip
         """Row b, one KV head's query group, one run of the row's visible chunks: out [B, H, D]
         (one split), or partial [B, H, S, D] fp32 and stats [2, B, H, S] (max, sum of exp2)."""
+        if USE_PDL:  # q and the new token's K/V come from the previous kernels
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         b = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -2552,10 +2597,13 @@ if triton is not None:
     @triton.jit
     def _paged_decode_combine_kernel(
         partial_ptr, stats_ptr, out_ptr, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-        HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_PDL: tl.constexpr,
     ):  # fmt: skip
         """out[b, h] from the splits' partials, in split order: with w_s = 2^(max_s - max over splits),
         sum_s w_s acc_s / sum_s w_s sum_s."""
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         row = tl.program_id(0) * NUM_HEADS + tl.program_id(1)
         offs_s = tl.arange(0, NUM_SPLITS)
         offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -2651,6 +2699,7 @@ def paged_decode_attention_triton(
         partial_BHSD = torch.empty(B, H, num_splits, D, dtype=torch.float32, device=q.device)
         stats_2BHS = torch.empty(2, B, H, num_splits, dtype=torch.float32, device=q.device)
     head_dim_pad = triton.next_power_of_2(D)
+    use_pdl = is_programmatic_launch_on(q.device)
     _paged_decode_attention_kernel[(B, num_kv_heads, num_splits)](
         q_BHD, k_cache, v_cache, pages_BP, input_pos_B, out_BHD, partial_BHSD, stats_2BHS, scale,
         q_BHD.stride(0), q_BHD.stride(1), k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
@@ -2659,14 +2708,16 @@ def paged_decode_attention_triton(
         HEAD_DIM_PAD=head_dim_pad, PAGE_SIZE=page_size, BLOCK_N=block_n, SLIDING_WINDOW=sliding_window or 0,
         NUM_SPLITS=num_splits,
         # NOTE: float32 operands would go through TF32 by default (~1e-3 relative error); "ieee" keeps fp32.
-        INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", USE_PDL=use_pdl,
         # 8 warps where a program's tiles (q, K, V, the fp32 accumulator) would spill from 4 warps' registers
         num_warps=num_warps or (8 if tile_bytes > 1024 else 4), num_stages=num_stages,
+        **programmatic_launch_option(use_pdl),
     )  # fmt: skip
     if num_splits > 1:
         _paged_decode_combine_kernel[(B, H)](
-            partial_BHSD, stats_2BHS, out_BHD, NUM_HEADS=H, HEAD_DIM=D, HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS=num_splits
-        )
+            partial_BHSD, stats_2BHS, out_BHD, NUM_HEADS=H, HEAD_DIM=D, HEAD_DIM_PAD=head_dim_pad,
+            NUM_SPLITS=num_splits, USE_PDL=use_pdl, **programmatic_launch_option(use_pdl),
+        )  # fmt: skip
     return out_BHD.view(B, H, 1, D)
 
 
