@@ -1477,25 +1477,30 @@ class ModelRunner:
         keys = [(b, mode) for mode in modes for b in (buckets or self.buckets) if (b, mode) not in self.cuda_graphs]
         self.flush_page_tables()
         graph_s = {}
-        for bucket, mode in sorted(keys, reverse=True):
-            start = time.perf_counter()
-            self.static_step_inputs[:, :bucket].zero_()  # every row a padding row: slot 0, page 0
-            self.static_sampling_float[:bucket], self.static_sampling_int[:bucket] = sampling_inputs([], bucket)
-            step_inputs = self._static_step_inputs(bucket)
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # eager warm-up compiles this bucket's kernels
-                self._decode_step(*step_inputs, mode)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.graph_pool):
-                outputs = self._decode_step(*step_inputs, mode)
-            self.graph_pool = graph.pool()
-            self.cuda_graphs[bucket, mode] = (graph, *outputs)
-            graph_s[bucket, mode] = time.perf_counter() - start
+        with programmatic_launch_settings():
+            for bucket, mode in sorted(keys, reverse=True):
+                graph_s[bucket, mode] = self._capture_cuda_graph(bucket, mode)
         if graph_s:
             torch.cuda.synchronize()
         return graph_s
+
+    def _capture_cuda_graph(self, bucket: int, mode: str) -> float:
+        """Captures the decode graph of one bucket and mode; returns its seconds (warm-up included)."""
+        start = time.perf_counter()
+        self.static_step_inputs[:, :bucket].zero_()  # every row a padding row: slot 0, page 0
+        self.static_sampling_float[:bucket], self.static_sampling_int[:bucket] = sampling_inputs([], bucket)
+        step_inputs = self._static_step_inputs(bucket)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # eager warm-up compiles this bucket's kernels
+            self._decode_step(*step_inputs, mode)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.graph_pool):
+            outputs = self._decode_step(*step_inputs, mode)
+        self.graph_pool = graph.pool()
+        self.cuda_graphs[bucket, mode] = (graph, *outputs)
+        return time.perf_counter() - start
 
 
 @dataclass
@@ -2060,22 +2065,26 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
 flex_attention_compiled = torch.compile(flex_attention, fullgraph=True)
 
 
-@contextlib.contextmanager
 def compile_settings():
-    """The dynamo and inductor settings the engine's compiled calls need, set around them
-    (importing this module changes none).
+    """The dynamo settings the engine's compiled calls need, set around them (importing this
+    module changes none).
 
     NOTE: every distinct prefill length, head_dim and decode batch bucket is its own compiled
     specialisation; the default limit of 8 would silently fall back to eager flex attention.
-    Programmatic dependent launch (is_programmatic_launch_on) is on unless TORCHINDUCTOR_ENABLE_PDL
-    says otherwise: batch-1 decode 2.72 -> 2.48 ms a step on an H200 (scripts/benchmarks/README.md).
     """
-    is_pdl_on = os.environ.get("TORCHINDUCTOR_ENABLE_PDL", "1") == "1"
-    with (
-        torch._dynamo.config.patch(recompile_limit=256, accumulated_recompile_limit=4096),
-        inductor_config.patch({"triton.enable_pdl": is_pdl_on}),
-    ):
-        yield
+    return torch._dynamo.config.patch(recompile_limit=256, accumulated_recompile_limit=4096)
+
+
+def programmatic_launch_settings():
+    """Programmatic dependent launch (is_programmatic_launch_on) for the kernels compiled and
+    launched inside, inductor's and the project's, unless TORCHINDUCTOR_ENABLE_PDL=0: set around
+    the capture of the decode graphs (ModelRunner.capture_cuda_graphs).
+
+    NOTE: on an H200 it took batch-1 decode from 2.72 to 2.48 ms a step, but made the eager
+    prefill slower (a launch with attributes leaves inductor's static launcher), so it is kept to
+    the graphs, whose replays cost the host nothing (scripts/benchmarks/README.md, round 2).
+    """
+    return inductor_config.patch({"triton.enable_pdl": os.environ.get("TORCHINDUCTOR_ENABLE_PDL", "1") == "1"})
 
 
 def mark_compile_shapes(role: str, *tensors: torch.Tensor | None, is_batch_symbolic: bool = False) -> None:
@@ -2189,7 +2198,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 def is_programmatic_launch_on(device: torch.device) -> bool:
     """Whether the project's Triton kernels launch with programmatic dependent launch (PDL): with
     inductor's own switch (`torch._inductor.config.triton.enable_pdl`, TORCHINDUCTOR_ENABLE_PDL=1),
-    on Hopper or later; compile_settings turns it on. A kernel launched so may start while the
+    on Hopper or later; programmatic_launch_settings turns it on. A kernel launched so may start while the
     previous one finishes: it waits (gdc_wait) before it reads anything the previous kernels write."""
     is_enabled = device.type == "cuda" and triton is not None and inductor_config.triton.enable_pdl
     return is_enabled and torch.cuda.get_device_capability(device)[0] >= 9

@@ -19,7 +19,7 @@ from triton.runtime import interpreter
 
 from qwen3_flex_inference import SKINNY_CONFIGS, skinny_matmul_triton
 
-ROWS = (1, 2, 3, 8, 16)
+ROWS = (1, 2, 3, 8, 16, 40)  # 40: BLOCK_M 64, the kernel's largest row bucket (SKINNY_KERNEL_MAX_ROWS)
 SHAPES_NK = ((40, 96), (40, 1536), (256, 96), (256, 1536))
 DTYPES = (torch.float32, torch.bfloat16)
 

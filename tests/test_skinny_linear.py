@@ -6,9 +6,17 @@ are GPU matters: scripts/benchmarks/bench_gemv.py.
 
 import pytest
 import torch
+import torch._inductor.config as inductor_config
 from conftest import run_triton_interpreter_check
 
-from qwen3_flex_inference import SKINNY_CHOICES, SKINNY_CONFIGS, SKINNY_MAX_ROWS, skinny_linear
+from qwen3_flex_inference import (
+    SKINNY_CHOICES,
+    SKINNY_CONFIGS,
+    SKINNY_MAX_ROWS,
+    is_programmatic_launch_on,
+    programmatic_launch_settings,
+    skinny_linear,
+)
 
 # ||out - ref|| / ||ref|| against x.double() @ w.double().T; bf16 outputs are rounded to 8 bits.
 MAX_REL_ERR = {"float32": 1e-5, "bfloat16": 1e-2}
@@ -51,3 +59,15 @@ def test_skinny_linear_in_compiled_graph_with_symbolic_batch_is_f_linear_and_com
         want = torch.nn.functional.linear(hidden_B1K, weight)
         assert got.shape == want.shape and torch.equal(got, want), f"{batch=} {(got - want).abs().max()=}"
     assert compiled_variants(project) - compiled_before == 1, "the graph was recompiled for another batch size"
+
+
+def test_programmatic_launch_is_on_only_inside_its_settings_and_yields_to_the_environment(monkeypatch):
+    monkeypatch.delenv("TORCHINDUCTOR_ENABLE_PDL", raising=False)
+    before = inductor_config.triton.enable_pdl
+    with programmatic_launch_settings():
+        assert inductor_config.triton.enable_pdl
+        assert not is_programmatic_launch_on(torch.device("cpu"))  # CUDA (Hopper or later) only
+    assert inductor_config.triton.enable_pdl == before
+    monkeypatch.setenv("TORCHINDUCTOR_ENABLE_PDL", "0")
+    with programmatic_launch_settings():
+        assert not inductor_config.triton.enable_pdl
