@@ -2219,12 +2219,12 @@ def programmatic_launch_option(use_pdl: bool) -> dict:
 # kernel below streams the weight; skinny_linear races it against cuBLAS per (shape, dtype, row
 # bucket) on the GPU it runs on and keeps the faster one.
 #
-# Kernel design (out[M, N] = x[M, K] @ w[N, K]^T, M <= SKINNY_MAX_ROWS):
+# Kernel design (out[M, N] = x[M, K] @ w[N, K]^T, M <= SKINNY_KERNEL_MAX_ROWS):
 # - Program (n, s) owns BLOCK_N output features and the s-th of SPLIT_K runs of K; it walks its K
 #   run in [BLOCK_N, BLOCK_K] tiles of w and multiplies each tile with all M rows of x, so every
 #   weight byte is read once whatever M is.
-# - The product is a tl.dot with w as the wide left operand and x^T padded to BLOCK_M = 16 columns
-#   (masked rows load nothing). The w tile is K-contiguous and 16-byte aligned (K a multiple of 16, which
+# - The product is a tl.dot with w as the wide left operand and x^T padded to BLOCK_M columns, the
+#   row bucket but at least 16 (masked rows load nothing). The w tile is K-contiguous and 16-byte aligned (K a multiple of 16, which
 #   Triton specialises on), so it is fetched with 16-byte vector loads (cp.async into shared memory
 #   when num_stages > 1), and the software pipeline keeps num_stages - 1 tiles per program in flight:
 #   8-96 KB per program with the configs below, several programs per SM. The padding wastes tensor-
@@ -2238,10 +2238,13 @@ def programmatic_launch_option(use_pdl: bool) -> dict:
 #   deterministic: no atomics; each split writes fp32 partials [SPLIT_K, M, N] and a second small
 #   kernel sums them in a fixed order and casts. That second launch costs time, so the race picks a
 #   split-K config only where it still wins.
+# - Under programmatic dependent launch (is_programmatic_launch_on) a program prefetches its first
+#   weight lines into L2 before it waits for the previous kernel: the weight never depends on it.
 
-# NOTE: the kernel wins on most E2B shapes up to 8 rows but rarely at 64 (bench_gemv.py, numbers
-# in scripts/benchmarks/README.md), so racing buckets above 16 would cost start-up time (a BLOCK_M
-# variant of every config to compile) for little.
+# NOTE: the kernel wins on most E2B shapes up to 8 rows but not at 32-64: there a sweep of 30
+# configs (wider tiles, split-K up to 16, deeper pipelines) saved 1-2% of cuBLAS's time over a
+# step, picking the best per shape (bench_gemv.py --sweep; numbers in scripts/benchmarks/README.md),
+# so racing buckets above 16 would cost start-up time (a BLOCK_M variant of every config) for little.
 SKINNY_MAX_ROWS = 16  # rows (decode batch) up to which skinny_linear races the Triton kernel against cuBLAS
 SKINNY_KERNEL_MAX_ROWS = 64  # rows the kernel takes (BLOCK_M: the row bucket, at least 16)
 SKINNY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
