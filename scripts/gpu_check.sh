@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks in one call; everything lands under $OUT (default: ./out).
-#   scripts/gpu_check.sh [kernels] [tests] [bench] [e2b] [profile] [gemv] [flex_decode] [attention] [rollouts...] [sampling] [grpo] [trl] [fourbit] [multi_gpu]
+#   scripts/gpu_check.sh [kernels] [tests] [bench] [e2b] [profile] [gemv] [gemv_sweep] [flex_decode] [attention] [attention_tiles] [rollouts...] [sampling] [grpo] [trl] [fourbit] [multi_gpu]
 #   (no argument: kernels tests bench e2b profile; each phase must fit the 10-minute limit of one
 #   device call, so call it with one or two phases at a time)
 # kernels: which flex_attention kernel options work at head_dim 256/512 (prefill and decode)
@@ -13,6 +13,8 @@
 # gemv:    few-row GEMMs on E2B's decode weight shapes, cuBLAS vs the Triton GEMV configs and
 #          skinny_linear's picks, M 1/2/8/16 (not in the default phases; 24 s on an H200)
 # flex_decode: the decode half of the kernel-option sweep, batch 1/8/64, partial vs full blocks (2.75 min)
+# gemv_sweep: the same at 64 and 32 rows over a grid of 30 kernel configs (bench_gemv.py SWEEP_CONFIGS; under 2 min on an H200)
+# attention_tiles: the Triton decode attention's tile options (positions a step, warps, stages) at 64 and 256 rows (about 1 min)
 # attention: decode attention over the paged cache, the engine's op with flex's kernel and with the Triton paged
 #            kernel (and that kernel at every split count), E2B's two attention kinds and Qwen3-4B's, batch 1/8/64/256
 # The side-by-side benchmark (scripts/benchmarks/bench_rollouts.py, E2B batch 1/8/64, 512 new
@@ -105,6 +107,9 @@ run() {  # run NAME CMD...: logs the command, its status and its time
       attention)
         run decode_attention $PY -m scripts.benchmarks.bench_decode_attention --batch_sizes 1 8 64 256 \
           --out "$OUT/decode_attention.json" ;;
+      attention_tiles)
+        run attention_tiles $PY -m scripts.benchmarks.bench_decode_attention --kinds e2b_full e2b_sliding \
+          --batch_sizes 64 256 --tiles --out "$OUT/attention_tiles.json" ;;
       rollouts_targets)
         run rollouts_targets $PY -m scripts.benchmarks.bench_rollouts --batch_sizes 256 64 1 --systems engine_fused_compiled_graph \
           --profile --out "$OUT/rollouts_targets.json" ;;
@@ -125,6 +130,8 @@ run() {  # run NAME CMD...: logs the command, its status and its time
         run rollouts_hf_quick $PY -m scripts.benchmarks.bench_rollouts --batch_sizes 64 1 --systems hf_cb hf_dynamic --out "$OUT/rollouts_hf.json" ;;
       gemv)
         run gemv $PY -m scripts.benchmarks.bench_gemv --out "$OUT/gemv.json" ;;
+      gemv_sweep)
+        run gemv_sweep $PY -m scripts.benchmarks.bench_gemv --num_rows 64 32 --sweep --out "$OUT/gemv_sweep.json" ;;
       profile)
         run profile_decode $PY -m scripts.benchmarks.profile_decode --batch_sizes 1 64 --out "$OUT/profile_decode.json" ;;
       rollouts)
