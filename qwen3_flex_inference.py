@@ -2224,14 +2224,15 @@ def programmatic_launch_option(use_pdl: bool) -> dict:
 #   run in [BLOCK_N, BLOCK_K] tiles of w and multiplies each tile with all M rows of x, so every
 #   weight byte is read once whatever M is.
 # - The product is a tl.dot with w as the wide left operand and x^T padded to BLOCK_M columns, the
-#   row bucket but at least 16 (masked rows load nothing). The w tile is K-contiguous and 16-byte aligned (K a multiple of 16, which
-#   Triton specialises on), so it is fetched with 16-byte vector loads (cp.async into shared memory
-#   when num_stages > 1), and the software pipeline keeps num_stages - 1 tiles per program in flight:
-#   8-96 KB per program with the configs below, several programs per SM. The padding wastes tensor-
-#   core FLOPs, which are not the limit: 16 columns at 4.8 TB/s need ~80 of the H200's ~990 bf16
-#   TFLOP/s. Broadcast-multiply + tl.sum would put the products on the CUDA cores instead: at 16 rows
-#   that is 3.8e13 fp32 FMAs/s at full bandwidth, more than the H200's ~3.4e13, plus a cross-thread
-#   reduction per row and tile (or M * BLOCK_N * BLOCK_K fp32 accumulators in registers).
+#   row bucket but at least 16 (masked rows load nothing). The w tile is K-contiguous and 16-byte
+#   aligned (K a multiple of 16, which Triton specialises on), so it is fetched with 16-byte vector
+#   loads (cp.async into shared memory when num_stages > 1), and the software pipeline keeps
+#   num_stages - 1 tiles per program in flight: 8-96 KB per program with the configs below, several
+#   programs per SM. The padding wastes tensor-core FLOPs, which are not the limit: 16 columns at 4.8
+#   TB/s need ~80 of the H200's ~990 bf16 TFLOP/s. Broadcast-multiply + tl.sum would put the products
+#   on the CUDA cores instead: at 16 rows that is 3.8e13 fp32 FMAs/s at full bandwidth, more than the
+#   H200's ~3.4e13, plus a cross-thread reduction per row and tile (or M * BLOCK_N * BLOCK_K fp32
+#   accumulators in registers).
 # - Split-K, because E2B's o, down and PLE projections have N = 1536 or 256 (2-96 row blocks, too
 #   few programs to keep 132 SMs' worth of bytes in flight) and a smaller BLOCK_N alone cannot fix that
 #   (the MMA wants BLOCK_N >= 16: still 96 programs, each a long serial K loop). It is
