@@ -24,11 +24,13 @@ SHAPES_NK = ((40, 96), (40, 1536), (256, 96), (256, 1536))
 DTYPES = (torch.float32, torch.bfloat16)
 
 
-def interpret_bf16_dot_in_fp32() -> None:
-    """NOTE: triton's interpreter (3.9) holds bfloat16 as uint16 bit patterns and its tl.dot feeds
-    them to np.matmul as integers. Widen bf16 operands to fp32 first: products of two bf16 values
-    are exact in fp32, as in the GPU's bf16 MMA with fp32 accumulation."""
+def interpret_bf16_as_the_gpu() -> None:
+    """NOTE: triton's interpreter (3.9) holds bfloat16 as uint16 bit patterns. Its tl.dot feeds
+    them to np.matmul as integers: widen bf16 operands to fp32 first (products of two bf16 values
+    are exact in fp32, as in the GPU's bf16 MMA with fp32 accumulation). Its fp32 -> bf16 cast
+    truncates: round to nearest even instead, as the GPU's cvt.rn.bf16.f32 (and torch) do."""
     create_dot = interpreter.InterpreterBuilder.create_dot
+    cast_impl = interpreter.InterpreterBuilder.cast_impl
 
     def widen(handle):
         if handle.dtype.scalar != tl.bfloat16 or handle.data.dtype != np.uint16:
@@ -38,11 +40,18 @@ def interpret_bf16_dot_in_fp32() -> None:
     def create_dot_widened(self, a, b, *args):
         return create_dot(self, widen(a), widen(b), *args)
 
+    def cast_rounded(self, src, dst_type):
+        if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.bfloat16:
+            return cast_impl(self, src, dst_type)
+        rounded = torch.from_numpy(np.ascontiguousarray(src.data)).bfloat16().view(torch.int16).numpy()
+        return interpreter.TensorHandle(rounded.view(np.uint16), tl.bfloat16)
+
     interpreter.InterpreterBuilder.create_dot = create_dot_widened
+    interpreter.InterpreterBuilder.cast_impl = cast_rounded
 
 
 def main() -> None:
-    interpret_bf16_dot_in_fp32()
+    interpret_bf16_as_the_gpu()
     generator = torch.Generator().manual_seed(0)
     results = []
     for (idx, config), M, (N, K), dtype in itertools.product(enumerate(SKINNY_CONFIGS), ROWS, SHAPES_NK, DTYPES):
