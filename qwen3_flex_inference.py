@@ -2244,10 +2244,20 @@ def programmatic_launch_option(use_pdl: bool) -> dict:
 #   accumulators in registers).
 # - Split-K, because E2B's o, down and PLE projections have N = 1536 or 256 (2-96 row blocks, too
 #   few programs to keep 132 SMs' worth of bytes in flight) and a smaller BLOCK_N alone cannot fix that
-#   (the MMA wants BLOCK_N >= 16: still 96 programs, each a long serial K loop). It is
-#   deterministic: no atomics; each split writes fp32 partials [SPLIT_K, M, N] and a second small
-#   kernel sums them in a fixed order and casts. That second launch costs time, so the race picks a
-#   split-K config only where it still wins.
+#   (the MMA wants BLOCK_N >= 16: still 96 programs, each a long serial K loop). One launch, and
+#   deterministic: each split writes fp32 partials [SPLIT_K, M, N] and takes a ticket (an atomic
+#   counter per output tile); the tile's last split sums the partials in split order, runs the
+#   epilogue, and puts the counter back to 0 for the next launch (or graph replay). The counters
+#   are one int32 buffer per device; kernels on one stream never overlap (under PDL each waits for
+#   the previous one before it touches them).
+# - Fusions (SkinnyFusion), which remove the small kernels around a decode GEMM at few rows: an
+#   RMSNorm of x in the prologue (each program first sums the squares of its rows over all of K,
+#   ~3-48 KB from L2); GELU(gate) * up of a [gate; up] weight (each program multiplies both halves'
+#   tiles) or GELU(out) * a multiplier in the tile epilogue; and, over whole rows, residual +
+#   RMSNorm(out) * w [* scalar]: each finished tile stores its rows' sums of squares, and the last
+#   tile to finish (a second ticket) normalises every row, M x N elements in one program (1,536 at
+#   batch 1). The norms are Gemma-4's (fp32, x * (mean(x^2) + eps)^-0.5 * w), and every step rounds
+#   to the model's dtype where the eager layer does.
 # - Under programmatic dependent launch (is_programmatic_launch_on) a program prefetches its first
 #   weight lines into L2 before it waits for the previous kernel: the weight never depends on it.
 
