@@ -64,6 +64,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 try:
     import triton
     import triton.language as tl
+    from triton.runtime.errors import OutOfResources
 except ImportError:  # CPU installs without triton: skinny_linear is then plain F.linear
     triton = None
 
@@ -2315,6 +2316,7 @@ if triton is not None:
         y_NM, up_NM, offs_n, offs_m, pid_n, out_ptr, multiplier_ptr, residual_ptr, post_w_ptr, scalar_ptr,
         stats_ptr, tickets_ptr, M, N, stride_om, stride_mm, stride_rm, eps,
         BLOCK_M: tl.constexpr, EPILOGUE: tl.constexpr, HAS_SCALAR: tl.constexpr, ROW_BLOCK: tl.constexpr,
+        ROW_CHUNKS: tl.constexpr, TILES_PAD: tl.constexpr,
     ):  # fmt: skip
         """The epilogue of one output tile, whose full sums over K are y_NM (and up_NM, gated)."""
         dtype = out_ptr.dtype.element_ty
@@ -2335,12 +2337,13 @@ if triton is not None:
             tl.debug_barrier()  # every thread's y and stats stores precede the ticket's release
             if tl.atomic_add(tickets_ptr + num_tiles, 1, sem="acq_rel", scope="gpu") == num_tiles - 1:
                 tl.store(tickets_ptr + num_tiles, 0)  # the last tile to finish: every y is written
-                sum_sq_M = tl.zeros((BLOCK_M,), dtype=tl.float32)
-                for tile in range(0, num_tiles):  # in tile order: bitwise reproducible
-                    sum_sq_M += tl.load(stats_ptr + tile * BLOCK_M + offs_m, cache_modifier=".cg")
-                inv_rms_M = tl.div_rn(1.0, tl.sqrt_rn(sum_sq_M / N + eps))
-                for n0 in range(0, N, ROW_BLOCK):
-                    offs_row = n0 + tl.arange(0, ROW_BLOCK)
+                # every tile's sums in one load (not one L2 round trip per tile); a fixed-shape sum
+                offs_t = tl.arange(0, TILES_PAD)
+                stats_ptrs = stats_ptr + offs_t[:, None] * BLOCK_M + offs_m[None, :]
+                stats_TM = tl.load(stats_ptrs, mask=offs_t[:, None] < num_tiles, other=0.0, cache_modifier=".cg")
+                inv_rms_M = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(stats_TM, axis=0) / N + eps))
+                for row_chunk in tl.static_range(ROW_CHUNKS):  # unrolled, as the prologue's loads
+                    offs_row = row_chunk * ROW_BLOCK + tl.arange(0, ROW_BLOCK)
                     is_row = (offs_m[:, None] < M) & (offs_row[None, :] < N)
                     row_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_row[None, :]
                     y_MR = tl.load(row_ptrs, mask=is_row, other=0.0, cache_modifier=".cg").to(tl.float32)
@@ -2363,8 +2366,8 @@ if triton is not None:
         M, N, K, stride_xm, stride_wn, stride_om, stride_split, stride_pm, stride_mm, stride_rm, eps,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
         INPUT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr,
-        LINE_ELEMS: tl.constexpr, PROLOGUE_NORM: tl.constexpr, EPILOGUE: tl.constexpr,
-        HAS_SCALAR: tl.constexpr, ROW_BLOCK: tl.constexpr,
+        LINE_ELEMS: tl.constexpr, PROLOGUE_NORM: tl.constexpr, NORM_CHUNKS: tl.constexpr, EPILOGUE: tl.constexpr,
+        HAS_SCALAR: tl.constexpr, ROW_BLOCK: tl.constexpr, ROW_CHUNKS: tl.constexpr, TILES_PAD: tl.constexpr,
     ):  # fmt: skip
         """out[M, N] = epilogue(prologue(x)[M, K] @ w[:N, K]^T), fp32 accumulation; program
         (n, s) sums split s's run of K chunks of output tile n (see the comment above SkinnyConfig)."""
@@ -2390,14 +2393,16 @@ if triton is not None:
             tl.extra.cuda.gdc_launch_dependents()
         if PROLOGUE_NORM:  # x -> rms_norm(x) * prologue_w over whole rows, rounded to x's dtype
             sum_sq_M = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                x_MK = tl.load(
+            # unrolled (NORM_CHUNKS = cdiv(K, BLOCK_K)): the loads are independent, so they are in
+            # flight together instead of one L2 round trip each
+            for chunk in tl.static_range(NORM_CHUNKS):
+                offs_k = chunk * BLOCK_K + tl.arange(0, BLOCK_K)
+                row_MK = tl.load(
                     x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                     mask=(offs_m[:, None] < M) & (offs_k[None, :] < K),
                     other=0.0,
                 ).to(tl.float32)
-                sum_sq_M += tl.sum(x_MK * x_MK, axis=1)
+                sum_sq_M += tl.sum(row_MK * row_MK, axis=1)
             inv_rms_M = tl.div_rn(1.0, tl.sqrt_rn(sum_sq_M / K + eps))
         acc_NM = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         up_NM = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # EPILOGUE 2: the up half, rows N + offs_n of w
@@ -2422,7 +2427,7 @@ if triton is not None:
             _skinny_finish_tile(
                 acc_NM, up_NM, offs_n, offs_m, pid_n, out_ptr, multiplier_ptr, residual_ptr, post_w_ptr, scalar_ptr,
                 stats_ptr, tickets_ptr, M, N, stride_om, stride_mm, stride_rm, eps,
-                BLOCK_M, EPILOGUE, HAS_SCALAR, ROW_BLOCK,
+                BLOCK_M, EPILOGUE, HAS_SCALAR, ROW_BLOCK, ROW_CHUNKS, TILES_PAD,
             )  # fmt: skip
         else:
             # Split-K: fp32 partials [SPLIT_K, M, N (2N gated)], and the tile's last split to
@@ -2447,7 +2452,7 @@ if triton is not None:
                 _skinny_finish_tile(
                     y_NM, y_up_NM, offs_n, offs_m, pid_n, out_ptr, multiplier_ptr, residual_ptr, post_w_ptr,
                     scalar_ptr, stats_ptr, tickets_ptr, M, N, stride_om, stride_mm, stride_rm, eps,
-                    BLOCK_M, EPILOGUE, HAS_SCALAR, ROW_BLOCK,
+                    BLOCK_M, EPILOGUE, HAS_SCALAR, ROW_BLOCK, ROW_CHUNKS, TILES_PAD,
                 )  # fmt: skip
 
 
@@ -2525,7 +2530,9 @@ def skinny_matmul_triton(
         raise ValueError(f"skinny_matmul_triton needs a weight of fewer than 2**31 elements: {tuple(w_NK.shape)}")
     check_skinny_fusion(fusion, M, N, K)
     device = x2d_MK.device
-    num_tiles = triton.cdiv(N, config.block_n)
+    # gated, a program reads a gate and an up tile: half as wide each, for as many programs and bytes
+    block_n = max(16, config.block_n // 2) if fusion.is_gated else config.block_n
+    num_tiles = triton.cdiv(N, block_n)
     epilogue = SKINNY_EPILOGUES[fusion.epilogue]
     out_MN = torch.empty(M, N, dtype=x2d_MK.dtype, device=device)
     partial_cols = 2 * N if fusion.is_gated else N
@@ -2546,6 +2553,7 @@ def skinny_matmul_triton(
     residual = fusion.residual.reshape(M, N) if fusion.residual is not None else x2d_MK
     use_pdl = is_programmatic_launch_on(device)
     line_elems = 128 // x2d_MK.element_size()
+    has_prologue = fusion.prologue_norm_weight is not None
     _skinny_matmul_kernel[(num_tiles, config.split_k)](
         x2d_MK, w_NK, out_MN, partials_SMN, stats_TM, tickets,
         x2d_MK if fusion.prologue_norm_weight is None else fusion.prologue_norm_weight, multiplier, residual,
@@ -2553,12 +2561,16 @@ def skinny_matmul_triton(
         x2d_MK if fusion.scalar is None else fusion.scalar,
         M, N, K, x2d_MK.stride(0), w_NK.stride(0), N, M * partial_cols, partial_cols, multiplier.stride(0),
         residual.stride(0), fusion.eps,
-        BLOCK_M=block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k,
         # NOTE: float32 operands would go through TF32 by default (~1e-3 relative error); "ieee" keeps fp32.
         INPUT_PRECISION="ieee" if x2d_MK.dtype == torch.float32 else "tf32",
-        USE_PDL=use_pdl, PREFETCH_LINES=max(1, SKINNY_PREFETCH_BYTES // (config.block_n * 128)), LINE_ELEMS=line_elems,
-        PROLOGUE_NORM=fusion.prologue_norm_weight is not None, EPILOGUE=epilogue, HAS_SCALAR=fusion.scalar is not None,
-        ROW_BLOCK=SKINNY_ROW_BLOCK, num_warps=config.num_warps, num_stages=config.num_stages,
+        USE_PDL=use_pdl, PREFETCH_LINES=max(1, SKINNY_PREFETCH_BYTES // (block_n * 128)), LINE_ELEMS=line_elems,
+        # NOTE: the shape-sized constexprs are 1 where unused, so the plain kernel is not compiled per shape.
+        PROLOGUE_NORM=has_prologue, NORM_CHUNKS=triton.cdiv(K, config.block_k) if has_prologue else 1,
+        EPILOGUE=epilogue, HAS_SCALAR=fusion.scalar is not None, ROW_BLOCK=SKINNY_ROW_BLOCK,
+        ROW_CHUNKS=triton.cdiv(N, SKINNY_ROW_BLOCK) if epilogue == 3 else 1,
+        TILES_PAD=triton.next_power_of_2(num_tiles) if epilogue == 3 else 1,
+        num_warps=config.num_warps, num_stages=config.num_stages,
         **programmatic_launch_option(use_pdl),
     )  # fmt: skip
     return out_MN
@@ -2744,7 +2756,12 @@ def _skinny_linear_shape(x, weight):
 
 # The fused forms always run the Triton kernel where it may run (it is what removes the launches
 # around the GEMM): with the raced config of the weight's shape where a Triton config won the race,
-# else with the config SKINNY_CONFIGS' notes give that shape.
+# else with the config SKINNY_CONFIGS' notes give that shape; with fewer pipeline stages where the
+# fusion's tiles (a gated weight's two) exceed the shared memory. The first (eager) call fixes it.
+# (N, K, dtype name, row bucket, SkinnyFusion.epilogue, has a prologue norm) -> SkinnyConfig
+FUSED_SKINNY_CONFIGS: dict = {}
+
+
 def default_skinny_config(N: int, K: int) -> SkinnyConfig:
     """The config meant for an (N, K) weight (the notes beside SKINNY_CONFIGS)."""
     if N * K <= 1 << 20:
@@ -2778,10 +2795,23 @@ def fused_skinny_linear(
         return fused_skinny_linear_reference(x, weight, fusion)
     N, K = weight.shape
     x2d_MK = x.reshape(-1, K)
-    choice = skinny_choice(x2d_MK, weight)
-    is_raced_triton = choice is not None and choice["winner"] != "cublas"
-    config = SKINNY_CONFIGS[choice["winner"]] if is_raced_triton else default_skinny_config(N, K)
-    out_MN = skinny_matmul_triton(x2d_MK, weight, config, fusion)
+    key = (N, K, str(x.dtype).removeprefix("torch."), skinny_rows_bucket(x2d_MK.shape[0]), fusion.epilogue)
+    key += (fusion.prologue_norm_weight is not None,)
+    config = FUSED_SKINNY_CONFIGS.get(key)
+    if config is None:
+        choice = skinny_choice(x2d_MK, weight)
+        is_raced_triton = choice is not None and choice["winner"] != "cublas"
+        config = SKINNY_CONFIGS[choice["winner"]] if is_raced_triton else default_skinny_config(N, K)
+    while True:
+        try:
+            out_MN = skinny_matmul_triton(x2d_MK, weight, config, fusion)
+            break
+        except OutOfResources:  # raised before the launch: nothing ran
+            if config.num_stages <= 2 or torch.cuda.is_current_stream_capturing():
+                raise
+            config = dataclasses.replace(config, num_stages=config.num_stages - 1)
+    if not torch.cuda.is_current_stream_capturing():
+        FUSED_SKINNY_CONFIGS[key] = config
     return out_MN.reshape(*x.shape[:-1], out_MN.shape[1])
 
 
