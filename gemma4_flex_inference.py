@@ -29,7 +29,6 @@ import torch
 from torch import nn
 
 from qwen3_flex_inference import (
-    SKINNY_MAX_ROWS,
     FlexInference,
     FlexInferenceError,
     ModelRunner,
@@ -43,7 +42,6 @@ from qwen3_flex_inference import (
     check_adapter_weights_fit,
     eos_token_ids,
     flex_attention_compiled,
-    fused_skinny_linear,
     load_causal_lm,
     load_config,
     load_peft_adapter,
@@ -123,109 +121,22 @@ def gemma4_attention_forward(self, hidden_states, position_embeddings, attention
         return type(self).forward(
             self, hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask, **kwargs
         )
-    projections = project(self, qkv_projections(self), "fused_qkv_weight", hidden_states)
-    return self.o_proj(attend_projections(self, projections, position_embeddings, layer_step)), None
-
-
-def attend_projections(attn, projections: list[torch.Tensor], position_embeddings, layer_step) -> torch.Tensor:
-    """q (and k, v) [B, S, heads * D] from the projections -> the attention's output before o_proj
-    [B, S, H * D]: HF's q/k/v norms and RoPE, the layer step's paged attention."""
-    input_shape = projections[0].shape[:-1]  # [B, S]
-    hidden_shape = (*input_shape, -1, attn.head_dim)
-    projections = [t.view(hidden_shape) for t in projections]
+    input_shape = hidden_states.shape[:-1]  # [B, S]
+    hidden_shape = (*input_shape, -1, self.head_dim)
     cos, sin = position_embeddings
-    q = apply_rotary(attn.q_norm(projections[0]).transpose(1, 2), cos, sin)  # [B, H, S, D]
+    projections = [
+        t.view(hidden_shape) for t in project(self, qkv_projections(self), "fused_qkv_weight", hidden_states)
+    ]
+    q = apply_rotary(self.q_norm(projections[0]).transpose(1, 2), cos, sin)  # [B, H, S, D]
     k = v = None  # KV-shared layers read their store layer's cache
-    if not attn.is_kv_shared_layer:
+    if not self.is_kv_shared_layer:
         k = projections[1]
         v = projections[2] if len(projections) == 3 else k  # attention_k_eq_v: values are the raw keys
-        k = apply_rotary(attn.k_norm(k).transpose(1, 2), cos, sin)  # [B, H_kv, S, D]
-        v = attn.v_norm(v).transpose(1, 2)
-    attn_output = layer_step.attend(q, k, v, attn.scaling)
-    return attn_output.transpose(1, 2).reshape(*input_shape, -1)
-
-
-# ---------------------------------------------------------------------------------------------
-# Fused decode layer
-# ---------------------------------------------------------------------------------------------
-
-# At a few decode rows a layer's time is its launches: HF's layer compiled by regions runs ~18
-# kernels (6 GEMMs, their split-K reductions, the attention, ~9 fused norm / GELU / residual
-# kernels). The fused layer folds the norms, GELUs, residuals and the layer scalar into the GEMMs'
-# prologues and epilogues (fused_skinny_linear): 6 GEMM launches, the q/k/v norms + RoPE + cache
-# write, the attention. Each step rounds where HF's eager layer does.
-#   h1 = h + post_attention_norm(o_proj(attend(qkv_proj(input_norm(h)))))
-#   h2 = h1 + post_feedforward_norm(down_proj(gelu(gate_proj(x)) * up_proj(x))), x = pre_feedforward_norm(h1)
-#   h3 = (h2 + post_per_layer_input_norm(per_layer_projection(gelu(per_layer_input_gate(h2)) * ple))) * scalar
-
-
-def weight_of(linear: nn.Module) -> torch.Tensor:
-    """The weight a linear multiplies with (a PEFT layer's base weight, with merged LoRA)."""
-    return getattr(linear, "base_layer", linear).weight
-
-
-def can_fuse_decode_layer(layer: nn.Module, is_lora_merged: bool) -> bool:
-    """Whether fused_decode_layer computes this layer: fused q/k/v and gate/up weights
-    (fuse_projections), float weights, merged or no LoRA, GELU-tanh, no MoE block."""
-    attn, mlp = layer.self_attn, layer.mlp
-    linears = [*qkv_projections(attn), attn.o_proj, mlp.down_proj]
-    if layer.hidden_size_per_layer_input:
-        linears += [layer.per_layer_input_gate, layer.per_layer_projection]
-    is_fused = hasattr(mlp, "fused_gate_up_weight") and (attn.is_kv_shared_layer or hasattr(attn, "fused_qkv_weight"))
-    is_plain = all(
-        type(getattr(linear, "base_layer", linear)) is nn.Linear and getattr(linear, "base_layer", linear).bias is None
-        for linear in linears
-    )
-    has_unmerged_lora = not is_lora_merged and any(hasattr(linear, "lora_A") for linear in linears)
-    is_gelu_tanh = layer.mlp.config.hidden_activation == "gelu_pytorch_tanh"
-    return is_fused and is_plain and not has_unmerged_lora and is_gelu_tanh and not layer.enable_moe_block
-
-
-def fused_decode_layer(
-    layer: nn.Module, hidden_B1E, per_layer_input=None, position_embeddings=None, attention_mask=None, layer_step=None
-) -> torch.Tensor:
-    """One Gemma-4 decoder layer of a decode step (can_fuse_decode_layer) as fused skinny GEMMs;
-    the same arguments and result as HF's layer forward under the engine."""
-    attn, mlp = layer.self_attn, layer.mlp
-
-    def gemm(
-        x, linear_or_weight, norm=None, is_gated=False, multiplier=None, post_norm=None, residual=None, scalar=None
-    ):
-        weight = linear_or_weight if torch.is_tensor(linear_or_weight) else weight_of(linear_or_weight)
-        post_norm_weight = None if post_norm is None else post_norm.weight
-        norm_weight = None if norm is None else norm.weight
-        eps = layer.input_layernorm.eps  # one rms_norm_eps for every norm of the layer
-        return fused_skinny_linear(
-            x, weight, norm_weight, is_gated, multiplier, post_norm_weight, residual, scalar, eps
-        )
-
-    qkv_weight = getattr(attn, "fused_qkv_weight", None)
-    if qkv_weight is None:  # a KV-shared layer projects q alone
-        projections = [gemm(hidden_B1E, attn.q_proj, norm=layer.input_layernorm)]
-    else:
-        qkv_B1Q = gemm(hidden_B1E, qkv_weight, norm=layer.input_layernorm)
-        projections = list(qkv_B1Q.split(attn.fused_qkv_weight_sizes, dim=-1))
-    attn_B1A = attend_projections(attn, projections, position_embeddings, layer_step)
-    h1_B1E = gemm(attn_B1A, attn.o_proj, post_norm=layer.post_attention_layernorm, residual=hidden_B1E)
-    act_B1I = gemm(h1_B1E, mlp.fused_gate_up_weight, norm=layer.pre_feedforward_layernorm, is_gated=True)
-    has_ple = layer.hidden_size_per_layer_input and per_layer_input is not None
-    h2_B1E = gemm(
-        act_B1I,
-        mlp.down_proj,
-        post_norm=layer.post_feedforward_layernorm,
-        residual=h1_B1E,
-        scalar=None if has_ple else layer.layer_scalar,
-    )
-    if not has_ple:
-        return h2_B1E
-    gated_B1P = gemm(h2_B1E, layer.per_layer_input_gate, multiplier=per_layer_input)
-    return gemm(
-        gated_B1P,
-        layer.per_layer_projection,
-        post_norm=layer.post_per_layer_input_norm,
-        residual=h2_B1E,
-        scalar=layer.layer_scalar,
-    )
+        k = apply_rotary(self.k_norm(k).transpose(1, 2), cos, sin)  # [B, H_kv, S, D]
+        v = self.v_norm(v).transpose(1, 2)
+    attn_output = layer_step.attend(q, k, v, self.scaling)
+    attn_output = attn_output.transpose(1, 2).reshape(*input_shape, -1)
+    return self.o_proj(attn_output), None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -237,25 +148,6 @@ class Gemma4ModelRunner(ModelRunner):
     """The model runner's hooks for Gemma-4 text models (`Gemma4ForCausalLM`)."""
 
     use_prefill_shortcut = True  # False: every prefill row runs every layer (to measure the shortcut)
-    # decode steps of up to this many rows run fused_decode_layer where can_fuse_decode_layer holds,
-    # with the skinny GEMMs on a CUDA device with triton (True: also elsewhere, in torch ops; False: never)
-    fused_decode_layers: bool | None = None
-    fused_decode_max_rows = SKINNY_MAX_ROWS
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        is_on = self.fused_decode_layers
-        if is_on is None:
-            is_on = self.skinny_gemms and self.device.type == "cuda"
-        self.fused_layer_ids = {
-            id(layer) for layer in self.decoder.layers if is_on and can_fuse_decode_layer(layer, self.is_lora_merged)
-        }
-        self.fused_decode_layer = self.compile_region(fused_decode_layer)
-
-    def decode_layer_for(self, layer: nn.Module, num_rows: int):
-        if num_rows <= self.fused_decode_max_rows and id(layer) in self.fused_layer_ids:
-            return self.fused_decode_layer
-        return self.decode_layer
 
     @staticmethod
     def kv_cache_heads(causal_lm: nn.Module) -> list[tuple[str, int, int] | None]:

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import functools
 import hashlib
 import importlib.util
 import json
@@ -64,7 +63,6 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 try:
     import triton
     import triton.language as tl
-    from triton.runtime.errors import OutOfResources
 except ImportError:  # CPU installs without triton: skinny_linear is then plain F.linear
     triton = None
 
@@ -1114,8 +1112,6 @@ class ModelRunner:
             for head_dim in head_dims
         }
         self.decode_attention = resolve_decode_attention(decode_attention, self.device)
-        self.is_lora_merged = is_lora_merged
-        self.skinny_gemms = skinny_gemms
         self.patch_attention()
         if fuse_projections:
             fuse_decoder_projections(self.decoder, is_lora_merged)
@@ -1131,14 +1127,17 @@ class ModelRunner:
         # NOTE: torch.compile specializes a size of 1, so the compiled step's buckets start at 2 (a
         # single sequence decodes beside one padding row): one compile instead of two.
         self.compile_decode = compile_decode
-        self.decode_prologue = self.compile_region(self._decode_prologue)
-        self.decode_layer = self.compile_region(call_layer)
-        self.decode_epilogue = self.compile_region(self._decode_epilogue)
-        self.decode_sampling_epilogue = self.compile_region(self._decode_sampling_epilogue)
+        compile_region = (
+            (lambda fn: torch.compile(fn, fullgraph=True, dynamic=False)) if compile_decode else (lambda fn: fn)
+        )
+        self.decode_prologue = compile_region(self._decode_prologue)
+        self.decode_layer = compile_region(call_layer)
+        self.decode_epilogue = compile_region(self._decode_epilogue)
+        self.decode_sampling_epilogue = compile_region(self._decode_sampling_epilogue)
         # NOTE: a region of its own: Triton 3.6 (torch 2.11) fails to build the sampling reduction
         # when that kernel also writes its tokens as float64 (TritonGPURemoveLayoutConversions:
         # "operand does not dominate this use"; Triton 3.9 builds it).
-        self.pack_samples = self.compile_region(pack_samples)
+        self.pack_samples = compile_region(pack_samples)
         self.buckets = batch_buckets(max_batch_size, smallest=2 if compile_decode else 1)
         # Static decode inputs, read in place by the CUDA graphs: token ids, positions, batch slots
         # (rows 0..B-1 of each).
@@ -1368,16 +1367,7 @@ class ModelRunner:
         """One decoder layer of the decode step (compiled: its batch-sized inputs marked symbolic)."""
         layer_tensors = [t for t in torch.utils._pytree.tree_leaves(layer_kwargs) if isinstance(t, torch.Tensor)]
         mark_compile_shapes("batch", hidden_B1E, *layer_tensors, is_batch_symbolic=self.compile_decode)
-        return self.decode_layer_for(layer, hidden_B1E.shape[0])(layer, hidden_B1E, **layer_kwargs)
-
-    def decode_layer_for(self, layer: nn.Module, num_rows: int):
-        """The (compiled) function that runs `layer` in a decode step of `num_rows` rows: HF's own
-        forward (Gemma4ModelRunner fuses few-row layers)."""
-        return self.decode_layer
-
-    def compile_region(self, fn):
-        """fn compiled as a region of the decode step (with compile_decode; else fn itself)."""
-        return torch.compile(fn, fullgraph=True, dynamic=False) if self.compile_decode else fn
+        return self.decode_layer(layer, hidden_B1E, **layer_kwargs)
 
     def _decode_step(self, input_ids_B, input_pos_B, batch_idx_B, mode: str = GREEDY_MODE) -> tuple:
         """One token for every row: tensor ops only (no host sync), so it can be graph-captured.
@@ -2247,18 +2237,10 @@ def programmatic_launch_option(use_pdl: bool) -> dict:
 #   few programs to keep 132 SMs' worth of bytes in flight) and a smaller BLOCK_N alone cannot fix that
 #   (the MMA wants BLOCK_N >= 16: still 96 programs, each a long serial K loop). One launch, and
 #   deterministic: each split writes fp32 partials [SPLIT_K, M, N] and takes a ticket (an atomic
-#   counter per output tile); the tile's last split sums the partials in split order, runs the
-#   epilogue, and puts the counter back to 0 for the next launch (or graph replay). The counters
-#   are one int32 buffer per device; kernels on one stream never overlap (under PDL each waits for
-#   the previous one before it touches them).
-# - Fusions (SkinnyFusion), which remove the small kernels around a decode GEMM at few rows: an
-#   RMSNorm of x in the prologue (each program first sums the squares of its rows over all of K,
-#   ~3-48 KB from L2); GELU(gate) * up of a [gate; up] weight (each program multiplies both halves'
-#   tiles) or GELU(out) * a multiplier in the tile epilogue; and, over whole rows, residual +
-#   RMSNorm(out) * w [* scalar]: each finished tile stores its rows' sums of squares, and the last
-#   tile to finish (a second ticket) normalises every row, M x N elements in one program (1,536 at
-#   batch 1). The norms are Gemma-4's (fp32, x * (mean(x^2) + eps)^-0.5 * w), and every step rounds
-#   to the model's dtype where the eager layer does.
+#   counter per output tile); the tile's last split sums the partials in split order, casts, and
+#   puts the counter back to 0 for the next launch (or graph replay). The counters are one int32
+#   buffer per device; kernels on one stream never overlap (under PDL each waits for the previous
+#   one before it touches them). A second reduction kernel cost more (scripts/benchmarks/README.md).
 # - Under programmatic dependent launch (is_programmatic_launch_on) a program prefetches its first
 #   weight lines into L2 before it waits for the previous kernel: the weight never depends on it.
 
@@ -2269,6 +2251,7 @@ def programmatic_launch_option(use_pdl: bool) -> dict:
 SKINNY_MAX_ROWS = 16  # rows (decode batch) up to which skinny_linear races the Triton kernel against cuBLAS
 SKINNY_KERNEL_MAX_ROWS = 64  # rows the kernel takes (BLOCK_M: the row bucket, at least 16)
 SKINNY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+SKINNY_TICKETS = 8192  # split-K ticket counters per device: one per output tile of a launch
 # weight bytes each program prefetches into L2 before it waits for the previous kernel, under
 # programmatic dependent launch: a few MB for the programs resident at once, far below L2's 50 MB
 SKINNY_PREFETCH_BYTES = 32 * 1024
@@ -2304,73 +2287,18 @@ SKINNY_CONFIGS = (
 )
 
 if triton is not None:
-
-    @triton.jit
-    def _gelu_tanh(x):
-        """GELU, tanh approximation (gelu_pytorch_tanh), on fp32; tanh(z) = 2 sigmoid(2z) - 1."""
-        z = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-        return 0.5 * x * (1.0 + (2.0 * tl.sigmoid(2.0 * z) - 1.0))
-
-    @triton.jit
-    def _skinny_finish_tile(
-        y_NM, up_NM, offs_n, offs_m, pid_n, out_ptr, multiplier_ptr, residual_ptr, post_w_ptr, scalar_ptr,
-        stats_ptr, tickets_ptr, M, N, stride_om, stride_mm, stride_rm, eps,
-        BLOCK_M: tl.constexpr, EPILOGUE: tl.constexpr, HAS_SCALAR: tl.constexpr, ROW_BLOCK: tl.constexpr,
-        ROW_CHUNKS: tl.constexpr, TILES_PAD: tl.constexpr,
-    ):  # fmt: skip
-        """The epilogue of one output tile, whose full sums over K are y_NM (and up_NM, gated)."""
-        dtype = out_ptr.dtype.element_ty
-        is_in = (offs_m[None, :] < M) & (offs_n[:, None] < N)
-        out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
-        # Each step rounds to the model's dtype where the eager model's op would.
-        y_NM = y_NM.to(dtype).to(tl.float32)
-        if EPILOGUE == 1:  # gelu(y) * multiplier
-            multiplier = tl.load(multiplier_ptr + offs_m[None, :] * stride_mm + offs_n[:, None], mask=is_in, other=0.0)
-            y_NM = _gelu_tanh(y_NM).to(dtype).to(tl.float32) * multiplier.to(tl.float32)
-        if EPILOGUE == 2:  # gelu(gate) * up
-            y_NM = _gelu_tanh(y_NM).to(dtype).to(tl.float32) * up_NM.to(dtype).to(tl.float32)
-        tl.store(out_ptrs, y_NM.to(dtype), mask=is_in)
-        if EPILOGUE == 3:  # out = (residual + rms_norm(y) * post_w) [* scalar], over whole rows
-            y_NM = y_NM.to(dtype).to(tl.float32)
-            tl.store(stats_ptr + pid_n * BLOCK_M + offs_m, tl.sum(tl.where(is_in, y_NM * y_NM, 0.0), axis=0))
-            num_tiles = tl.num_programs(0)
-            tl.debug_barrier()  # every thread's y and stats stores precede the ticket's release
-            if tl.atomic_add(tickets_ptr + num_tiles, 1, sem="acq_rel", scope="gpu") == num_tiles - 1:
-                tl.store(tickets_ptr + num_tiles, 0)  # the last tile to finish: every y is written
-                # every tile's sums in one load (not one L2 round trip per tile); a fixed-shape sum
-                offs_t = tl.arange(0, TILES_PAD)
-                stats_ptrs = stats_ptr + offs_t[:, None] * BLOCK_M + offs_m[None, :]
-                stats_TM = tl.load(stats_ptrs, mask=offs_t[:, None] < num_tiles, other=0.0, cache_modifier=".cg")
-                inv_rms_M = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(stats_TM, axis=0) / N + eps))
-                for row_chunk in tl.static_range(ROW_CHUNKS):  # unrolled, as the prologue's loads
-                    offs_row = row_chunk * ROW_BLOCK + tl.arange(0, ROW_BLOCK)
-                    is_row = (offs_m[:, None] < M) & (offs_row[None, :] < N)
-                    row_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_row[None, :]
-                    y_MR = tl.load(row_ptrs, mask=is_row, other=0.0, cache_modifier=".cg").to(tl.float32)
-                    post_w = tl.load(post_w_ptr + offs_row, mask=offs_row < N, other=0.0).to(tl.float32)
-                    normed_MR = (y_MR * inv_rms_M[:, None] * post_w[None, :]).to(dtype).to(tl.float32)
-                    residual_ptrs = residual_ptr + offs_m[:, None] * stride_rm + offs_row[None, :]
-                    residual_MR = tl.load(residual_ptrs, mask=is_row, other=0.0).to(tl.float32)
-                    h_MR = (residual_MR + normed_MR).to(dtype)
-                    if HAS_SCALAR:
-                        h_MR = (h_MR.to(tl.float32) * tl.load(scalar_ptr).to(tl.float32)).to(dtype)
-                    tl.store(row_ptrs, h_MR, mask=is_row)
-
     # NOTE: M and the strides that change with M are not specialised on: Triton would otherwise
     # compile another variant for M == 1 or M == 16, and compiling while a CUDA graph is captured
-    # is not allowed. One variant per config, dtype and fusion, compiled in the eager warm-up.
-    @triton.jit(do_not_specialize=["M", "stride_split", "stride_pm", "eps"])
+    # is not allowed. One variant per config and dtype, compiled by skinny_linear's race.
+    @triton.jit(do_not_specialize=["M", "stride_split"])
     def _skinny_matmul_kernel(
-        x_ptr, w_ptr, out_ptr, partials_ptr, stats_ptr, tickets_ptr,
-        prologue_w_ptr, multiplier_ptr, residual_ptr, post_w_ptr, scalar_ptr,
-        M, N, K, stride_xm, stride_wn, stride_om, stride_split, stride_pm, stride_mm, stride_rm, eps,
+        x_ptr, w_ptr, out_ptr, partials_ptr, tickets_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_split,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
         INPUT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr,
-        LINE_ELEMS: tl.constexpr, PROLOGUE_NORM: tl.constexpr, NORM_CHUNKS: tl.constexpr, EPILOGUE: tl.constexpr,
-        HAS_SCALAR: tl.constexpr, ROW_BLOCK: tl.constexpr, ROW_CHUNKS: tl.constexpr, TILES_PAD: tl.constexpr,
+        LINE_ELEMS: tl.constexpr,
     ):  # fmt: skip
-        """out[M, N] = epilogue(prologue(x)[M, K] @ w[:N, K]^T), fp32 accumulation; program
-        (n, s) sums split s's run of K chunks of output tile n (see the comment above SkinnyConfig)."""
+        """out[M, N] = x[M, K] @ w[N, K]^T, fp32 accumulation; program (n, s) sums split s's run of
+        K chunks of output tile n (see the comment above SkinnyConfig)."""
         pid_n = tl.program_id(0)
         pid_split = tl.program_id(1)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -2391,110 +2319,42 @@ if triton is not None:
             )
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        if PROLOGUE_NORM:  # x -> rms_norm(x) * prologue_w over whole rows, rounded to x's dtype
-            sum_sq_M = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            # unrolled (NORM_CHUNKS = cdiv(K, BLOCK_K)): the loads are independent, so they are in
-            # flight together instead of one L2 round trip each
-            for chunk in tl.static_range(NORM_CHUNKS):
-                offs_k = chunk * BLOCK_K + tl.arange(0, BLOCK_K)
-                row_MK = tl.load(
-                    x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                    mask=(offs_m[:, None] < M) & (offs_k[None, :] < K),
-                    other=0.0,
-                ).to(tl.float32)
-                sum_sq_M += tl.sum(row_MK * row_MK, axis=1)
-            inv_rms_M = tl.div_rn(1.0, tl.sqrt_rn(sum_sq_M / K + eps))
         acc_NM = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        up_NM = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # EPILOGUE 2: the up half, rows N + offs_n of w
         for k0 in range(k_start, k_end, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            is_w = (offs_n[:, None] < N) & (offs_k[None, :] < K)
-            w_NK = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=is_w, other=0.0)
+            w_NK = tl.load(
+                w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
+                mask=(offs_n[:, None] < N) & (offs_k[None, :] < K),
+                other=0.0,
+            )
             x_MK = tl.load(
                 x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
                 mask=(offs_m[:, None] < M) & (offs_k[None, :] < K),
                 other=0.0,
             )
-            if PROLOGUE_NORM:
-                prologue_w = tl.load(prologue_w_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-                normed_MK = x_MK.to(tl.float32) * inv_rms_M[:, None] * prologue_w[None, :]
-                x_MK = normed_MK.to(x_ptr.dtype.element_ty)
             acc_NM = tl.dot(w_NK, tl.trans(x_MK), acc_NM, input_precision=INPUT_PRECISION)
-            if EPILOGUE == 2:
-                w_up_NK = tl.load(w_ptr + (N + offs_n[:, None]) * stride_wn + offs_k[None, :], mask=is_w, other=0.0)
-                up_NM = tl.dot(w_up_NK, tl.trans(x_MK), up_NM, input_precision=INPUT_PRECISION)
+        is_in = (offs_m[None, :] < M) & (offs_n[:, None] < N)
+        out_ptrs = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
         if SPLIT_K == 1:
-            _skinny_finish_tile(
-                acc_NM, up_NM, offs_n, offs_m, pid_n, out_ptr, multiplier_ptr, residual_ptr, post_w_ptr, scalar_ptr,
-                stats_ptr, tickets_ptr, M, N, stride_om, stride_mm, stride_rm, eps,
-                BLOCK_M, EPILOGUE, HAS_SCALAR, ROW_BLOCK, ROW_CHUNKS, TILES_PAD,
-            )  # fmt: skip
+            tl.store(out_ptrs, acc_NM.to(out_ptr.dtype.element_ty), mask=is_in)
         else:
-            # Split-K: fp32 partials [SPLIT_K, M, N (2N gated)], and the tile's last split to
-            # finish (a ticket counter, left at 0 for the next launch) sums them in split order
-            # and runs the epilogue: deterministic, one launch.
-            is_in = (offs_m[None, :] < M) & (offs_n[:, None] < N)
-            partial_ptrs = partials_ptr + offs_m[None, :] * stride_pm + offs_n[:, None]
+            partial_ptrs = partials_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
             tl.store(partial_ptrs + pid_split * stride_split, acc_NM, mask=is_in)
-            if EPILOGUE == 2:
-                tl.store(partial_ptrs + pid_split * stride_split + N, up_NM, mask=is_in)
             tl.debug_barrier()  # every thread's partial stores precede the ticket's release
             if tl.atomic_add(tickets_ptr + pid_n, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
-                tl.store(tickets_ptr + pid_n, 0)
-                y_NM = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-                y_up_NM = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-                for split in tl.static_range(SPLIT_K):
-                    y_NM += tl.load(partial_ptrs + split * stride_split, mask=is_in, other=0.0, cache_modifier=".cg")
-                    if EPILOGUE == 2:
-                        y_up_NM += tl.load(
-                            partial_ptrs + split * stride_split + N, mask=is_in, other=0.0, cache_modifier=".cg"
-                        )
-                _skinny_finish_tile(
-                    y_NM, y_up_NM, offs_n, offs_m, pid_n, out_ptr, multiplier_ptr, residual_ptr, post_w_ptr,
-                    scalar_ptr, stats_ptr, tickets_ptr, M, N, stride_om, stride_mm, stride_rm, eps,
-                    BLOCK_M, EPILOGUE, HAS_SCALAR, ROW_BLOCK, ROW_CHUNKS, TILES_PAD,
-                )  # fmt: skip
+                tl.store(tickets_ptr + pid_n, 0)  # the tile's last split: every partial is written
+                sum_NM = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+                for split in tl.static_range(SPLIT_K):  # in split order: bitwise reproducible
+                    sum_NM += tl.load(partial_ptrs + split * stride_split, mask=is_in, other=0.0, cache_modifier=".cg")
+                tl.store(out_ptrs, sum_NM.to(out_ptr.dtype.element_ty), mask=is_in)
 
 
-SKINNY_EPILOGUES = {"none": 0, "gelu_mul": 1, "gelu_gated": 2, "norm_residual": 3}
-
-
-@dataclass(frozen=True)
-class SkinnyFusion:
-    """What a fused skinny GEMM does around out = x @ w^T (each step as the eager Gemma-4 layer
-    rounds it; fused_skinny_linear_reference is the same in torch ops):
-    - prologue_norm_weight [K]: x -> rms_norm(x) * weight first;
-    - is_gated: w is [gate; up] (2N rows): out = gelu(gate) * up;
-    - multiplier [M, N]: out = gelu(out) * multiplier;
-    - post_norm_weight [N] with residual [M, N]: out = residual + rms_norm(out) * weight;
-    - scalar [1]: out = out * scalar, last.
-    GELU is the tanh approximation; the norms are Gemma's RMSNorm with epsilon eps."""
-
-    prologue_norm_weight: torch.Tensor | None = None
-    is_gated: bool = False
-    multiplier: torch.Tensor | None = None
-    post_norm_weight: torch.Tensor | None = None
-    residual: torch.Tensor | None = None
-    scalar: torch.Tensor | None = None
-    eps: float = 1e-6
-
-    @property
-    def epilogue(self) -> str:
-        if self.is_gated:
-            return "gelu_gated"
-        if self.multiplier is not None:
-            return "gelu_mul"
-        return "norm_residual" if self.post_norm_weight is not None else "none"
-
-
-SKINNY_TICKETS = 8192  # ticket counters per device: one per output tile of a split-K launch, plus one
-SKINNY_ROW_BLOCK = 512  # columns per step of the whole-row epilogue (norm_residual)
 # device -> int32 [SKINNY_TICKETS], all 0 between launches
 _skinny_tickets: dict[torch.device, torch.Tensor] = {}
 
 
 def skinny_tickets(device: torch.device) -> torch.Tensor:
-    """The device's ticket counters (allocated, zeroed, on the first launch there: an eager one)."""
+    """The device's split-K ticket counters (allocated, zeroed, on the first launch there: an eager one)."""
     tickets = _skinny_tickets.get(device)
     if tickets is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -2503,18 +2363,14 @@ def skinny_tickets(device: torch.device) -> torch.Tensor:
     return tickets
 
 
-def skinny_matmul_triton(
-    x2d_MK: torch.Tensor, w_NK: torch.Tensor, config: SkinnyConfig, fusion: SkinnyFusion | None = None
-) -> torch.Tensor:
-    """out_MN = x2d_MK @ w_NK^T through the Triton kernel of one config, with `fusion`'s prologue and
-    epilogue (none by default); N = w's rows (half of them when gated).
+def skinny_matmul_triton(x2d_MK: torch.Tensor, w_NK: torch.Tensor, config: SkinnyConfig) -> torch.Tensor:
+    """out_MN = x2d_MK @ w_NK^T through the Triton kernel(s) of one config.
 
     M <= SKINNY_KERNEL_MAX_ROWS; x and w of one dtype in SKINNY_DTYPES, K contiguous in both; fp32
     accumulation, out_MN in x's dtype. Runs on CUDA, or on CPU tensors under TRITON_INTERPRET=1.
     """
-    fusion = fusion or SkinnyFusion()
     M, K = x2d_MK.shape
-    N = w_NK.shape[0] // 2 if fusion.is_gated else w_NK.shape[0]
+    N = w_NK.shape[0]
     is_k_contiguous = x2d_MK.stride(1) == 1 and w_NK.stride(1) == 1
     if not (0 < M <= SKINNY_KERNEL_MAX_ROWS and w_NK.shape[1] == K and is_k_contiguous):
         raise ValueError(
@@ -2528,99 +2384,28 @@ def skinny_matmul_triton(
     # NOTE: the kernel's offsets are int32, so w must have fewer than 2**31 elements.
     if w_NK.numel() >= 2**31:
         raise ValueError(f"skinny_matmul_triton needs a weight of fewer than 2**31 elements: {tuple(w_NK.shape)}")
-    check_skinny_fusion(fusion, M, N, K)
-    device = x2d_MK.device
-    # gated, a program reads a gate and an up tile: half as wide each, for as many programs and bytes
-    block_n = max(16, config.block_n // 2) if fusion.is_gated else config.block_n
-    num_tiles = triton.cdiv(N, block_n)
-    epilogue = SKINNY_EPILOGUES[fusion.epilogue]
-    out_MN = torch.empty(M, N, dtype=x2d_MK.dtype, device=device)
-    partial_cols = 2 * N if fusion.is_gated else N
-    # partials_SMN: [split_k, M, N (2N gated)] fp32; stats_TM: [tiles, BLOCK_M] sums of squares of
-    # the rows' tiles (norm_residual); x stands in for the tensors a launch does not use
-    partials_SMN = (
-        torch.empty(config.split_k, M, partial_cols, dtype=torch.float32, device=device)
-        if config.split_k > 1
-        else x2d_MK
-    )
-    block_m = max(16, skinny_rows_bucket(M))
-    stats_TM = torch.empty(num_tiles, block_m, dtype=torch.float32, device=device) if epilogue == 3 else x2d_MK
-    needs_tickets = config.split_k > 1 or epilogue == 3
-    if needs_tickets and num_tiles + 1 > SKINNY_TICKETS:
-        raise ValueError(f"skinny_matmul_triton has {SKINNY_TICKETS} ticket counters, fewer than {num_tiles + 1} tiles")
-    tickets = skinny_tickets(device) if needs_tickets else x2d_MK
-    multiplier = fusion.multiplier.reshape(M, N) if fusion.multiplier is not None else x2d_MK
-    residual = fusion.residual.reshape(M, N) if fusion.residual is not None else x2d_MK
-    use_pdl = is_programmatic_launch_on(device)
+    num_tiles = triton.cdiv(N, config.block_n)
+    if config.split_k > 1 and num_tiles > SKINNY_TICKETS:
+        raise ValueError(
+            f"skinny_matmul_triton has {SKINNY_TICKETS} split-K ticket counters, fewer than {num_tiles} tiles"
+        )
+    out_MN = torch.empty(M, N, dtype=x2d_MK.dtype, device=x2d_MK.device)
+    # partials_SMN: [split_k, M, N] fp32; without split-K neither it nor the counters are used
+    partials_SMN, tickets = out_MN, out_MN
+    if config.split_k > 1:
+        partials_SMN = torch.empty(config.split_k, M, N, dtype=torch.float32, device=x2d_MK.device)
+        tickets = skinny_tickets(x2d_MK.device)
+    use_pdl = is_programmatic_launch_on(x2d_MK.device)
     line_elems = 128 // x2d_MK.element_size()
-    has_prologue = fusion.prologue_norm_weight is not None
     _skinny_matmul_kernel[(num_tiles, config.split_k)](
-        x2d_MK, w_NK, out_MN, partials_SMN, stats_TM, tickets,
-        x2d_MK if fusion.prologue_norm_weight is None else fusion.prologue_norm_weight, multiplier, residual,
-        x2d_MK if fusion.post_norm_weight is None else fusion.post_norm_weight,
-        x2d_MK if fusion.scalar is None else fusion.scalar,
-        M, N, K, x2d_MK.stride(0), w_NK.stride(0), N, M * partial_cols, partial_cols, multiplier.stride(0),
-        residual.stride(0), fusion.eps,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k,
+        x2d_MK, w_NK, out_MN, partials_SMN, tickets, M, N, K, x2d_MK.stride(0), w_NK.stride(0), N, M * N,
+        BLOCK_M=max(16, skinny_rows_bucket(M)), BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k,
         # NOTE: float32 operands would go through TF32 by default (~1e-3 relative error); "ieee" keeps fp32.
         INPUT_PRECISION="ieee" if x2d_MK.dtype == torch.float32 else "tf32",
-        USE_PDL=use_pdl, PREFETCH_LINES=max(1, SKINNY_PREFETCH_BYTES // (block_n * 128)), LINE_ELEMS=line_elems,
-        # NOTE: the shape-sized constexprs are 1 where unused, so the plain kernel is not compiled per shape.
-        PROLOGUE_NORM=has_prologue, NORM_CHUNKS=triton.cdiv(K, config.block_k) if has_prologue else 1,
-        EPILOGUE=epilogue, HAS_SCALAR=fusion.scalar is not None, ROW_BLOCK=SKINNY_ROW_BLOCK,
-        ROW_CHUNKS=triton.cdiv(N, SKINNY_ROW_BLOCK) if epilogue == 3 else 1,
-        TILES_PAD=triton.next_power_of_2(num_tiles) if epilogue == 3 else 1,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-        **programmatic_launch_option(use_pdl),
+        USE_PDL=use_pdl, PREFETCH_LINES=max(1, SKINNY_PREFETCH_BYTES // (config.block_n * 128)), LINE_ELEMS=line_elems,
+        num_warps=config.num_warps, num_stages=config.num_stages, **programmatic_launch_option(use_pdl),
     )  # fmt: skip
     return out_MN
-
-
-def check_skinny_fusion(fusion: SkinnyFusion, M: int, N: int, K: int) -> None:
-    """Raises ValueError where `fusion`'s tensors do not fit a GEMM of M rows, N outputs, K inputs."""
-    expected = {
-        "prologue_norm_weight": (fusion.prologue_norm_weight, K),
-        "multiplier": (fusion.multiplier, M * N),
-        "post_norm_weight": (fusion.post_norm_weight, N),
-        "residual": (fusion.residual, M * N),
-        "scalar": (fusion.scalar, 1),
-    }
-    for name, (tensor, numel) in expected.items():
-        if tensor is not None and (tensor.numel() != numel or tensor.stride(-1) != 1):
-            raise ValueError(f"the fused skinny GEMM needs {name} of {numel} elements, last dim contiguous")
-    if (fusion.post_norm_weight is None) != (fusion.residual is None):
-        raise ValueError("the fused skinny GEMM's norm_residual epilogue needs both post_norm_weight and residual")
-    if fusion.is_gated and fusion.multiplier is not None:
-        raise ValueError("the fused skinny GEMM takes one of is_gated and multiplier")
-    if fusion.post_norm_weight is not None and (fusion.is_gated or fusion.multiplier is not None):
-        raise ValueError("the fused skinny GEMM's norm_residual epilogue does not follow a GELU one")
-    if fusion.scalar is not None and fusion.post_norm_weight is None:
-        raise ValueError("the fused skinny GEMM applies its scalar in the norm_residual epilogue only")
-
-
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Gemma-4's RMSNorm in torch ops: in fp32, x * (mean(x^2) + eps)^-0.5 * weight, then x's dtype."""
-    x32 = x.float()
-    normed = x32 * torch.pow(x32.pow(2).mean(-1, keepdim=True) + eps, -0.5)
-    return (normed * weight.float()).type_as(x)
-
-
-def fused_skinny_linear_reference(x: torch.Tensor, weight: torch.Tensor, fusion: SkinnyFusion) -> torch.Tensor:
-    """What the fused skinny GEMM computes, in the eager model's torch ops (x [..., K] -> [..., N])."""
-    gelu = functools.partial(nn.functional.gelu, approximate="tanh")
-    if fusion.prologue_norm_weight is not None:
-        x = rms_norm_reference(x, fusion.prologue_norm_weight, fusion.eps)
-    out = nn.functional.linear(x, weight)
-    if fusion.is_gated:
-        gate, up = out.chunk(2, dim=-1)
-        out = gelu(gate) * up
-    if fusion.multiplier is not None:
-        out = gelu(out) * fusion.multiplier.reshape(out.shape)
-    if fusion.post_norm_weight is not None:
-        out = fusion.residual.reshape(out.shape) + rms_norm_reference(out, fusion.post_norm_weight, fusion.eps)
-    if fusion.scalar is not None:
-        out = out * fusion.scalar
-    return out
 
 
 # (N, K, dtype name, row bucket) -> {"winner": "cublas" or an index into SKINNY_CONFIGS,
@@ -2711,113 +2496,35 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     kernel does not take. The first call of a new key outside CUDA-graph capture races the backends
     (race_skinny_backends) and stores the outcome in SKINNY_CHOICES; a new key met during capture
     gets F.linear (never time inside a capture), so warm every decode bucket up eagerly first.
-    Deterministic: once chosen, a key always runs the same kernels, which sum split-K partials in a
-    fixed order. NOTE: another process may pick another backend where two are within timing noise,
-    so results are bitwise reproducible within a process, and equal only to rounding across processes.
+    Deterministic: once chosen, a key always runs the same kernel, which sums split-K partials in a
+    fixed order. NOTE: another process may pick another backend where two are within timing noise, so results
+    are bitwise reproducible within a process, and equal only to rounding across processes.
     An opaque op, so it sits in a torch.compile(fullgraph=True) graph with a symbolic batch.
     NOTE: the race compares GPU time only, which is what a CUDA graph replays; called eagerly, a
     Triton launch from Python costs tens of us of CPU time, more than it saves at these sizes.
     """
     N, K = weight.shape
-    if not takes_skinny_kernel(x, weight):
-        return nn.functional.linear(x, weight)
-    x2d_MK = x.reshape(-1, K)
-    choice = skinny_choice(x2d_MK, weight)
-    if choice is None or choice["winner"] == "cublas":
-        return nn.functional.linear(x, weight)
-    return skinny_matmul_triton(x2d_MK, weight, SKINNY_CONFIGS[choice["winner"]]).reshape(*x.shape[:-1], N)
-
-
-def takes_skinny_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether x [..., K] @ weight[N, K]^T may run the Triton kernel: CUDA, up to SKINNY_MAX_ROWS
-    rows, one dtype of SKINNY_DTYPES, K contiguous, int32 offsets."""
-    num_rows = x.numel() // weight.shape[1]
+    num_rows = x.numel() // K
     is_skinny = 0 < num_rows <= SKINNY_MAX_ROWS and x.dtype == weight.dtype and x.dtype in SKINNY_DTYPES
     is_k_contiguous = x.stride(-1) == 1 and weight.stride(1) == 1
-    return triton is not None and x.device.type == "cuda" and is_skinny and is_k_contiguous and weight.numel() < 2**31
-
-
-def skinny_choice(x2d_MK: torch.Tensor, weight: torch.Tensor) -> dict | None:
-    """The SKINNY_CHOICES entry of this GEMM, raced on its first call; None for a new key met
-    during CUDA-graph capture."""
-    N, K = weight.shape
-    key = (N, K, str(x2d_MK.dtype).removeprefix("torch."), skinny_rows_bucket(x2d_MK.shape[0]))
+    if triton is None or x.device.type != "cuda" or not is_skinny or not is_k_contiguous or weight.numel() >= 2**31:
+        return nn.functional.linear(x, weight)
+    x2d_MK = x.reshape(num_rows, K)
+    key = (N, K, str(x.dtype).removeprefix("torch."), skinny_rows_bucket(num_rows))
     choice = SKINNY_CHOICES.get(key)
-    if choice is None and not torch.cuda.is_current_stream_capturing():
-        with torch.cuda.device(x2d_MK.device):  # the race's sleep, events and syncs act on the current device
+    if choice is None:
+        if torch.cuda.is_current_stream_capturing():
+            return nn.functional.linear(x, weight)
+        with torch.cuda.device(x.device):  # the race's sleep, events and syncs act on the current device
             choice = SKINNY_CHOICES[key] = race_skinny_backends(x2d_MK, weight)
-    return choice
+    if choice["winner"] == "cublas":
+        return nn.functional.linear(x, weight)
+    return skinny_matmul_triton(x2d_MK, weight, SKINNY_CONFIGS[choice["winner"]]).reshape(*x.shape[:-1], N)
 
 
 @skinny_linear.register_fake
 def _skinny_linear_shape(x, weight):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-
-# The fused forms always run the Triton kernel where it may run (it is what removes the launches
-# around the GEMM): with the raced config of the weight's shape where a Triton config won the race,
-# else with the config SKINNY_CONFIGS' notes give that shape; with fewer pipeline stages where the
-# fusion's tiles (a gated weight's two) exceed the shared memory. The first (eager) call fixes it.
-# (N, K, dtype name, row bucket, SkinnyFusion.epilogue, has a prologue norm) -> SkinnyConfig
-FUSED_SKINNY_CONFIGS: dict = {}
-
-
-def default_skinny_config(N: int, K: int) -> SkinnyConfig:
-    """The config meant for an (N, K) weight (the notes beside SKINNY_CONFIGS)."""
-    if N * K <= 1 << 20:
-        return SKINNY_CONFIGS[7]
-    if N >= 24576:
-        return SKINNY_CONFIGS[0]
-    if N >= 8192:
-        return SKINNY_CONFIGS[1]
-    if N >= 4096:
-        return SKINNY_CONFIGS[3]
-    return SKINNY_CONFIGS[4] if N >= 2048 else SKINNY_CONFIGS[5]
-
-
-@torch.library.custom_op("flex_inference::fused_skinny_linear", mutates_args=())
-def fused_skinny_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    prologue_norm_weight: torch.Tensor | None,
-    is_gated: bool,
-    multiplier: torch.Tensor | None,
-    post_norm_weight: torch.Tensor | None,
-    residual: torch.Tensor | None,
-    scalar: torch.Tensor | None,
-    eps: float,
-) -> torch.Tensor:
-    """x [..., K] @ weight^T [..., N] with the norms, GELUs, residual and scalar of SkinnyFusion
-    around it, in one Triton launch where skinny_linear may run the kernel (CUDA, few rows), else
-    as fused_skinny_linear_reference's torch ops. Deterministic, as skinny_linear."""
-    fusion = SkinnyFusion(prologue_norm_weight, is_gated, multiplier, post_norm_weight, residual, scalar, eps)
-    if not takes_skinny_kernel(x, weight):
-        return fused_skinny_linear_reference(x, weight, fusion)
-    N, K = weight.shape
-    x2d_MK = x.reshape(-1, K)
-    key = (N, K, str(x.dtype).removeprefix("torch."), skinny_rows_bucket(x2d_MK.shape[0]), fusion.epilogue)
-    key += (fusion.prologue_norm_weight is not None,)
-    config = FUSED_SKINNY_CONFIGS.get(key)
-    if config is None:
-        choice = skinny_choice(x2d_MK, weight)
-        is_raced_triton = choice is not None and choice["winner"] != "cublas"
-        config = SKINNY_CONFIGS[choice["winner"]] if is_raced_triton else default_skinny_config(N, K)
-    while True:
-        try:
-            out_MN = skinny_matmul_triton(x2d_MK, weight, config, fusion)
-            break
-        except OutOfResources:  # raised before the launch: nothing ran
-            if config.num_stages <= 2 or torch.cuda.is_current_stream_capturing():
-                raise
-            config = dataclasses.replace(config, num_stages=config.num_stages - 1)
-    if not torch.cuda.is_current_stream_capturing():
-        FUSED_SKINNY_CONFIGS[key] = config
-    return out_MN.reshape(*x.shape[:-1], out_MN.shape[1])
-
-
-@fused_skinny_linear.register_fake
-def _fused_skinny_linear_shape(x, weight, prologue_norm_weight, is_gated, *args):
-    return x.new_empty((*x.shape[:-1], weight.shape[0] // 2 if is_gated else weight.shape[0]))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks in one call; everything lands under $OUT (default: ./out).
-#   scripts/gpu_check.sh [kernels] [tests] [bench] [e2b] [profile] [gemv] [gemv_sweep] [flex_decode] [attention] [attention_tiles] [rollouts...] [fused_layers] [sampling] [grpo] [trl] [fourbit] [multi_gpu]
+#   scripts/gpu_check.sh [kernels] [tests] [bench] [e2b] [profile] [gemv] [gemv_sweep] [flex_decode] [attention] [attention_tiles] [rollouts...] [sampling] [grpo] [trl] [fourbit] [multi_gpu]
 #   (no argument: kernels tests bench e2b profile; each phase must fit the 10-minute limit of one
 #   device call, so call it with one or two phases at a time)
 # kernels: which flex_attention kernel options work at head_dim 256/512 (prefill and decode)
@@ -22,7 +22,6 @@
 # times measured on an H200):
 # rollouts:            this engine, CUDA graphs and compiled + fused step, with kernel profiles (~6 min)
 # rollouts_quick:      the compiled + fused step alone, batch 64 and 1, with kernel profiles (2 min)
-# fused_layers:        Gemma-4's fused decode layer against HF's layer forward in the same step, batch 1 and 16, with profiles
 # rollouts_targets:    the same at the speed issue's three batch sizes, 256, 64 and 1 (~4.5 min)
 # sampling:            the token choice alone (greedy, sampling, top-k + top-p; batch 1/64/256), then the whole step:
 #                      greedy, temperature-1 sampling with log-probs, and top-k 50 + top-p 0.9, batch 64 and 256
@@ -114,9 +113,6 @@ run() {  # run NAME CMD...: logs the command, its status and its time
       rollouts_targets)
         run rollouts_targets $PY -m scripts.benchmarks.bench_rollouts --batch_sizes 256 64 1 --systems engine_fused_compiled_graph \
           --profile --out "$OUT/rollouts_targets.json" ;;
-      fused_layers)
-        run fused_layers $PY -m scripts.benchmarks.bench_rollouts --batch_sizes 1 16 \
-          --systems engine_fused_compiled_graph engine_fused_compiled_graph_hf_layers --profile --out "$OUT/fused_layers.json" ;;
       rollouts_quick)
         run rollouts_quick $PY -m scripts.benchmarks.bench_rollouts --batch_sizes 64 1 --systems engine_fused_compiled_graph \
           --profile --out "$OUT/rollouts_quick.json" ;;

@@ -5,8 +5,9 @@ float32 / bfloat16.
 
     TRITON_INTERPRET=1 python -m tests.skinny_kernel_check   # from the repo root
 
-Prints one JSON list: per case {"config", "M", "N", "K", "dtype", "rel_err"} with
-rel_err = ||out - ref|| / ||ref||, or {..., "error"} where the launch raised.
+Prints one JSON list: per case {"config", "M", "N", "K", "dtype", "rel_err", "tickets_left"} with
+rel_err = ||out - ref|| / ||ref|| and the split-K ticket counters not back at 0 after the launch,
+or {..., "error"} where the launch raised.
 """
 
 import itertools
@@ -17,7 +18,7 @@ import torch
 import triton.language as tl
 from triton.runtime import interpreter
 
-from qwen3_flex_inference import SKINNY_CONFIGS, skinny_matmul_triton
+from qwen3_flex_inference import SKINNY_CONFIGS, _skinny_tickets, skinny_matmul_triton
 
 ROWS = (1, 2, 3, 8, 16, 40)  # 40: BLOCK_M 64, the kernel's largest row bucket (SKINNY_KERNEL_MAX_ROWS)
 SHAPES_NK = ((40, 96), (40, 1536), (256, 96), (256, 1536))
@@ -65,7 +66,12 @@ def main() -> None:
             results.append({**case, "error": f"{type(error).__name__}: {error}"})
             continue
         assert out_MN.dtype == dtype and out_MN.shape == (M, N), f"{case=} {out_MN.dtype=} {out_MN.shape=}"
-        results.append({**case, "rel_err": ((out_MN.double() - ref_MN).norm() / ref_MN.norm()).item()})
+        tickets = _skinny_tickets.get(torch.device("cpu"))
+        results.append({
+            **case,
+            "rel_err": ((out_MN.double() - ref_MN).norm() / ref_MN.norm()).item(),
+            "tickets_left": 0 if tickets is None else int(tickets.count_nonzero()),
+        })  # fmt: skip
     print(json.dumps(results))
 
 

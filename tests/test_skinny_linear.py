@@ -1,8 +1,7 @@
-"""The skinny decode GEMM: the Triton kernel of every config against an fp64 reference, and its
-fused prologues / epilogues against the same computation in torch ops (triton's CPU interpreter,
-in a subprocess); the skinny_linear and fused_skinny_linear ops' CPU fallbacks, eager and inside a
-torch.compile(fullgraph=True) graph with a symbolic batch. The race against cuBLAS and the speed
-are GPU matters: scripts/benchmarks/bench_gemv.py.
+"""The skinny decode GEMM: the Triton kernel of every config against an fp64 reference, its split-K
+ticket counters back at 0 after every launch (triton's CPU interpreter, in a subprocess), and the
+skinny_linear op's CPU fallback, eager and inside a torch.compile(fullgraph=True) graph with a
+symbolic batch. The race against cuBLAS and the speed are GPU matters: scripts/benchmarks/bench_gemv.py.
 """
 
 import pytest
@@ -14,9 +13,6 @@ from qwen3_flex_inference import (
     SKINNY_CHOICES,
     SKINNY_CONFIGS,
     SKINNY_MAX_ROWS,
-    SkinnyFusion,
-    fused_skinny_linear,
-    fused_skinny_linear_reference,
     is_programmatic_launch_on,
     programmatic_launch_settings,
     skinny_linear,
@@ -32,41 +28,7 @@ def test_triton_kernel_of_every_config_matches_fp64_reference_in_interpreter():
     for case in cases:
         assert "error" not in case, f"{case=}"
         assert case["rel_err"] < MAX_REL_ERR[case["dtype"]], f"{case=}"
-
-
-def test_fused_kernel_of_every_prologue_and_epilogue_matches_torch_ops_in_interpreter():
-    """Each fusion, one-launch and split-K (the ticketed reduction, its counters left at 0): within
-    rounding of the same ops in torch in that dtype, and (bf16) as close to float64 as they are."""
-    from tests.fused_skinny_kernel_check import FUSIONS
-
-    cases = run_triton_interpreter_check("tests.fused_skinny_kernel_check")
-    assert {case["fusion"] for case in cases} == set(FUSIONS), f"{len(cases)=}"
-    for case in cases:
-        assert "error" not in case, f"{case=}"
-        assert case["tickets_left"] == 0, f"{case=}"
-        if case["dtype"] == "float32":
-            assert case["rel_err"] < 2e-6, f"{case=}"
-        else:
-            assert case["rel_err"] < 5e-3, f"{case=}"
-            assert case["rel_err_fp64"] <= 1.1 * case["ref_rel_err_fp64"] + 1e-4, f"{case=}"
-
-
-def test_fused_skinny_linear_on_cpu_is_its_torch_reference_eager_and_compiled():
-    generator = torch.Generator().manual_seed(2)
-    weight = torch.randn(2 * 40, 96, generator=generator) / 10
-    norm_weight = torch.randn(96, generator=generator) + 1
-
-    def gate_up(x_B1K, weight, norm_weight):
-        return fused_skinny_linear(x_B1K, weight, norm_weight, True, None, None, None, None, 1e-6)
-
-    compiled = torch.compile(gate_up, fullgraph=True)
-    for batch in (3, 8):
-        x_B1K = torch.randn(batch, 1, 96, generator=generator)
-        torch._dynamo.mark_dynamic(x_B1K, 0)
-        want = fused_skinny_linear_reference(x_B1K, weight, SkinnyFusion(norm_weight, is_gated=True))
-        assert want.shape == (batch, 1, 40)
-        assert torch.equal(gate_up(x_B1K, weight, norm_weight), want)
-        assert torch.allclose(compiled(x_B1K, weight, norm_weight), want, rtol=1e-5, atol=1e-6)
+        assert case["tickets_left"] == 0, f"split-K ticket counters left set: {case=}"
 
 
 @pytest.mark.parametrize("x_shape", [(1, 64), (3, 1, 64), (SKINNY_MAX_ROWS, 64), (SKINNY_MAX_ROWS + 1, 64), (2, 5, 64)])

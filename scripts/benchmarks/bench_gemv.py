@@ -14,10 +14,6 @@ backend per shape, and the op's picks.
     python -m scripts.benchmarks.bench_gemv --num_rows 32 64 --sweep --out gemv_sweep.json
 
 --sweep times a grid of kernel configs (SWEEP_CONFIGS, for 17-64 rows) instead of the op's own.
---fusions times, per layer GEMM of Gemma-4's fused decode layer, skinny_linear (the op's pick)
-against fused_skinny_linear with that GEMM's fusion (FUSION_SHAPES), the same way:
-
-    python -m scripts.benchmarks.bench_gemv --num_rows 1 16 --fusions
 """
 
 import argparse
@@ -147,63 +143,6 @@ def measure_shape(name: str, N: int, K: int, num_rows: list[int], args) -> list[
     return rows
 
 
-# E2B shape -> the fusion its GEMM takes in Gemma-4's fused decode layer
-FUSION_SHAPES = {
-    "qkv_sliding": "prologue_norm",
-    "q_shared_full": "prologue_norm",
-    "o_sliding": "norm_residual",
-    "gate_up": "gelu_gated",
-    "down_double": "norm_residual_scalar",
-    "ple_gate": "gelu_mul",
-    "ple_proj": "norm_residual_scalar",
-}
-
-
-def measure_fusions(num_rows: list[int], args) -> list[dict]:
-    """us per call of skinny_linear and of fused_skinny_linear with its fusion, per FUSION_SHAPES entry and M."""
-    rows = []
-    for name, fusion_kind in FUSION_SHAPES.items():
-        N, K, _ = E2B_SHAPES[name]
-        num_copies = max(1, math.ceil(args.rotate_mb * 2**20 / (N * K * DTYPE.itemsize)))
-        weights_CNK = torch.randn(num_copies, N, K, dtype=DTYPE, device="cuda") / K**0.5
-        out_N = N // 2 if fusion_kind == "gelu_gated" else N
-        for M in num_rows:
-            x_MK = torch.randn(M, K, dtype=DTYPE, device="cuda")
-            fusion = engine.SkinnyFusion(
-                prologue_norm_weight=torch.ones(K, dtype=DTYPE, device="cuda")
-                if fusion_kind == "prologue_norm"
-                else None,
-                is_gated=fusion_kind == "gelu_gated",
-                multiplier=torch.randn(M, out_N, dtype=DTYPE, device="cuda") if fusion_kind == "gelu_mul" else None,
-                post_norm_weight=torch.ones(N, dtype=DTYPE, device="cuda") if "norm_residual" in fusion_kind else None,
-                residual=torch.randn(M, N, dtype=DTYPE, device="cuda") if "norm_residual" in fusion_kind else None,
-                scalar=torch.ones(1, dtype=DTYPE, device="cuda") if fusion_kind.endswith("scalar") else None,
-            )
-            if fusion_kind == "gelu_gated":
-                fusion = dataclasses.replace(fusion, prologue_norm_weight=torch.ones(K, dtype=DTYPE, device="cuda"))
-            fields = [getattr(fusion, f.name) for f in dataclasses.fields(fusion)]
-            backends = {
-                "skinny_linear": lambda w_NK: engine.skinny_linear(x_MK, w_NK),
-                "fused_skinny_linear": lambda w_NK: engine.fused_skinny_linear(x_MK, w_NK, *fields),
-            }
-            row = {"shape": name, "fusion": fusion_kind, "N": N, "K": K, "M": M}
-            for backend, fn in backends.items():
-                try:
-                    fn(weights_CNK[0])  # the race, eagerly
-                    row[backend + "_us"] = graph_us_per_call(
-                        lambda i, fn=fn: fn(weights_CNK[i % num_copies]), max(args.min_calls, num_copies), args.replays
-                    )
-                except Exception as error:  # reported, and the next one runs
-                    row[backend + "_error"] = f"{type(error).__name__}: {str(error)[:200]}"
-            rows.append(row)
-            print(
-                f"{name:16} {fusion_kind:22} M={M:<2} skinny_linear {row.get('skinny_linear_us', float('nan')):7.2f} us"
-                f"  fused {row.get('fused_skinny_linear_us', float('nan')):7.2f} us  {row}",
-                flush=True,
-            )
-    return rows
-
-
 def best_of(rows: list[dict]) -> dict | None:
     """The fastest of these result rows that ran, or None."""
     return min((row for row in rows if "us" in row), key=lambda row: row["us"], default=None)
@@ -282,9 +221,6 @@ def main() -> int:
         "--replays", type=int, default=10, help="timed graph replays per (shape, M, backend); the median counts"
     )
     parser.add_argument("--sweep", action="store_true", help="time SWEEP_CONFIGS instead of SKINNY_CONFIGS")
-    parser.add_argument(
-        "--fusions", action="store_true", help="time fused_skinny_linear's fusions against skinny_linear instead"
-    )
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
     args.configs = SWEEP_CONFIGS if args.sweep else engine.SKINNY_CONFIGS
@@ -303,12 +239,6 @@ def main() -> int:
     print(f"torch {torch.__version__}, triton {engine.triton.__version__}")
     for idx, config in enumerate(args.configs):
         print(f"triton{idx}: {config}")
-    if args.fusions:
-        rows = measure_fusions(args.num_rows, args)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump({"device": properties.name, "results": rows}, f, indent=1)
-        return 0
     rows = []
     for name in args.shapes:
         N, K, _ = E2B_SHAPES[name]

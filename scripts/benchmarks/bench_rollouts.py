@@ -6,8 +6,6 @@ graphs, and that with q/k/v and gate/up fused into one GEMM each; every one with
 GEMMs, `skinny_linear`, and the default decode attention), `engine_fused_compiled_graph_cublas` (the
 last with cuBLAS for every GEMM), `engine_fused_compiled_graph_flex` (the fused compiled
 step with flex_attention's decode kernel for every decode attention),
-`engine_fused_compiled_graph_hf_layers` (Gemma-4: that step with HF's layer forward at every batch,
-without the fused decode layer of few-row steps),
 `hf_dynamic` (generate, dynamic cache), `hf_static_compile` (generate, static cache,
 torch.compile with `--hf_compile_mode`), `hf_cb` (generate_batch continuous batching, where the
 installed transformers has it; an error is recorded when it refuses the model). Workload: a
@@ -22,11 +20,9 @@ must read / copy bandwidth measured in this run), prefill tok/s, time to first t
 """
 
 import argparse
-import contextlib
 import json
 import sys
 import time
-import unittest.mock
 from pathlib import Path
 
 import torch
@@ -39,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SYSTEMS = [
     "engine_eager", "engine_graph", "engine_compiled_graph", "engine_fused_compiled_graph",
     "engine_fused_compiled_graph_cublas", "engine_fused_compiled_graph_sample", "engine_fused_compiled_graph_top_p",
-    "engine_fused_compiled_graph_flex", "engine_fused_compiled_graph_hf_layers",
+    "engine_fused_compiled_graph_flex",
     "hf_dynamic", "hf_static_compile", "hf_cb",
 ]  # fmt: skip
 
@@ -131,17 +127,10 @@ def kv_bytes_per_step(engine, batch_size: int, prompt_len: int, new_tokens: int)
     return total * batch_size
 
 
-def make_engine(model, batch_size, prompt_len, new_tokens, hf_decode_layers=False, **options):
-    """The engine for one run; `hf_decode_layers`: Gemma-4's decode steps run HF's layer forward
-    at every batch (no fused decode layer)."""
+def make_engine(model, batch_size, prompt_len, new_tokens, **options):
     max_seq_length = -(-(prompt_len + new_tokens + 1) // 128) * 128
-    fused_layers = contextlib.nullcontext()
     if "gemma4" in model.config.model_type:
         from gemma4_flex_inference import FlexGemma4Inference as engine_class
-        from gemma4_flex_inference import Gemma4ModelRunner
-
-        if hf_decode_layers:
-            fused_layers = unittest.mock.patch.object(Gemma4ModelRunner, "fused_decode_layers", False)
     else:
         engine_class = FlexInference
     page_size = 128 if model.device.type == "cuda" else 16
@@ -149,18 +138,17 @@ def make_engine(model, batch_size, prompt_len, new_tokens, hf_decode_layers=Fals
     # A pool of at least 1024 pages, as the CLI runs use: each row's pages lie scattered in it.
     n_pages = max(batch_size * (max_seq_length // page_size) + 1, 1024 if model.device.type == "cuda" else 0)
     is_peft = callable(getattr(model, "get_base_model", None))
-    with fused_layers:
-        engine = engine_class(
-            model,
-            None,
-            peft_model=model if is_peft else None,
-            max_batch_size=batch_size,
-            max_seq_length=max_seq_length,
-            n_pages=n_pages,
-            page_size=page_size,
-            max_new_tokens=new_tokens,
-            **options,
-        )
+    engine = engine_class(
+        model,
+        None,
+        peft_model=model if is_peft else None,
+        max_batch_size=batch_size,
+        max_seq_length=max_seq_length,
+        n_pages=n_pages,
+        page_size=page_size,
+        max_new_tokens=new_tokens,
+        **options,
+    )
     engine.end_ids = set()
     return engine
 
@@ -345,7 +333,6 @@ def main() -> int:
                     fuse_projections="fused" in system,
                     skinny_gemms="cublas" not in system,
                     decode_attention="flex" if system.endswith("_flex") else None,
-                    hf_decode_layers=system.endswith("_hf_layers"),
                 )
                 sampling = next((params for name, params in SAMPLING.items() if system.endswith("_" + name)), None)
                 result, engine = run_engine(model, prompts, args.new_tokens, use_graph, sampling, **options)

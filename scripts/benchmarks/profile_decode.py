@@ -45,7 +45,7 @@ def build(preset: str, max_batch_size: int, **options):
 KERNEL_CLASSES = [  # (class, substrings of the kernel name), first match wins
     (
         "GEMM (skinny_linear, Triton)",
-        ("_skinny_matmul", "_skinny_split_k"),
+        ("_skinny_matmul",),
     ),  # not inductor's kernels fused around the op
     # flex_attention's kernels (and inductor's kernels fused around its mask), or the paged Triton kernel
     ("decode attention", ("flex", "triton_tem", "_paged_decode_attention_kernel", "_paged_decode_combine_kernel")),
