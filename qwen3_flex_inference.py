@@ -36,7 +36,9 @@ import contextlib
 import dataclasses
 import hashlib
 import importlib.util
+import itertools
 import json
+import math
 import os
 import random
 import re
@@ -2244,11 +2246,10 @@ def programmatic_launch_option(use_pdl: bool) -> dict:
 # - Under programmatic dependent launch (is_programmatic_launch_on) a program prefetches its first
 #   weight lines into L2 before it waits for the previous kernel: the weight never depends on it.
 
-# NOTE: the kernel wins on most E2B shapes up to 8 rows but not at 32-64: there a sweep of 30
-# configs (wider tiles, split-K up to 16, deeper pipelines) saved 1-2% of cuBLAS's time over a
-# step, picking the best per shape (bench_gemv.py --sweep; numbers in scripts/benchmarks/README.md),
-# so racing buckets above 16 would cost start-up time (a BLOCK_M variant of every config) for little.
-SKINNY_MAX_ROWS = 16  # rows (decode batch) up to which skinny_linear races the Triton kernel against cuBLAS
+# NOTE: without programmatic dependent launch, a sweep of 30 configs at 32-64 rows saved only 1-2% of
+# cuBLAS's time over a step (bench_gemv.py --sweep; numbers in scripts/benchmarks/README.md); under
+# it, a Triton GEMM's launch overlaps the previous kernel's tail, which cuBLAS's never does.
+SKINNY_MAX_ROWS = 64  # rows (decode batch) up to which skinny_linear races the Triton kernel against cuBLAS
 SKINNY_KERNEL_MAX_ROWS = 64  # rows the kernel takes (BLOCK_M: the row bucket, at least 16)
 SKINNY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SKINNY_TICKETS = 8192  # split-K ticket counters per device: one per output tile of a launch
@@ -2412,10 +2413,12 @@ def skinny_matmul_triton(x2d_MK: torch.Tensor, w_NK: torch.Tensor, config: Skinn
 # "us": backend -> median GPU us per call, "failed": config index -> why it was dropped}
 SKINNY_CHOICES: dict = {}
 SKINNY_TUNE_WARMUP_CALLS = 3
-SKINNY_TUNE_TIMED_CALLS = 15
-# GPU clock cycles of torch.cuda._sleep before the timed calls (~5 ms at 2 GHz): the CPU queues all
-# of them meanwhile, so that Python and launch overhead (absent in a CUDA graph) stay out of the times.
-SKINNY_TUNE_QUEUE_AHEAD_CYCLES = 10_000_000
+SKINNY_TUNE_RUNS = 3  # timed runs of back-to-back calls per backend; the median run counts
+SKINNY_TUNE_CALLS_PER_RUN = 24
+# GPU clock cycles of torch.cuda._sleep per queued call (~100 us at 2 GHz) before a timed run: the
+# CPU queues the run's calls meanwhile, so that Python and launch overhead (absent in a CUDA graph)
+# stay out of the times.
+SKINNY_TUNE_QUEUE_AHEAD_CYCLES_PER_CALL = 200_000
 
 
 def skinny_rows_bucket(num_rows: int) -> int:
@@ -2432,42 +2435,49 @@ def skinny_tolerance(dtype: torch.dtype) -> float:
     return 5e-3 if torch.backends.cuda.matmul.allow_tf32 else 1e-4
 
 
-def _gpu_us_per_call(fn, flush_L2: torch.Tensor) -> float:
-    """Median GPU time in us of one call of fn(), with L2 flushed before each timed call."""
+def _gpu_us_per_call(call, num_weights: int) -> float:
+    """GPU time in us of one call(weight_idx), timed over runs of back-to-back calls that go round
+    num_weights weight copies: the median run's time over its calls."""
+    calls = itertools.count()
     for _ in range(SKINNY_TUNE_WARMUP_CALLS):
-        fn()
+        call(next(calls) % num_weights)
     events = [
-        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-        for _ in range(SKINNY_TUNE_TIMED_CALLS)
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(SKINNY_TUNE_RUNS)
     ]
-    torch.cuda._sleep(SKINNY_TUNE_QUEUE_AHEAD_CYCLES)
     for start, end in events:
-        flush_L2.zero_()
+        torch.cuda._sleep(SKINNY_TUNE_QUEUE_AHEAD_CYCLES_PER_CALL * SKINNY_TUNE_CALLS_PER_RUN)
         start.record()
-        fn()
+        for _ in range(SKINNY_TUNE_CALLS_PER_RUN):
+            call(next(calls) % num_weights)
         end.record()
     torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(end) * 1e3 for start, end in events)
+    return statistics.median(start.elapsed_time(end) * 1e3 for start, end in events) / SKINNY_TUNE_CALLS_PER_RUN
 
 
 def race_skinny_backends(x2d_MK: torch.Tensor, w_NK: torch.Tensor) -> dict:
-    """Times F.linear and every config of SKINNY_CONFIGS on this input; returns an entry of SKINNY_CHOICES.
+    """Times F.linear and every config of SKINNY_CONFIGS on this input's shape; returns an entry of
+    SKINNY_CHOICES.
 
     A config is first checked against F.linear on a fresh random x (seeded, its own generator, so
     the caller's RNG stream is untouched; the caller's x may be all zeros in a warm-up) with the
     real weight; one that raises (e.g. out of shared memory) or misses skinny_tolerance is dropped.
 
-    NOTE: times are taken on the real weight, since that is what runs, with L2 flushed before each
-    call: back to back, calls on one weight below ~50 MB (the H200's L2) would be served from L2, a
-    case a decode step never has (every other weight streams through between two uses of one).
-    The flush is a proxy; the real check is a whole decode step on the GPU with and without
-    skinny_linear (scripts/benchmarks/profile_decode.py), and scripts/benchmarks/bench_gemv.py
-    times each shape over rotated weight copies inside a CUDA graph.
+    NOTE: times are taken as a decode step's CUDA graph runs the GEMM: back to back after other
+    kernels (under programmatic dependent launch, with the overlap of a launch and the previous
+    kernel's tail that it brings), on a weight that is not in L2. So each backend runs back to back
+    over copies of the weight totalling at least twice the L2 (50 MB on an H200): on one weight
+    below ~50 MB the calls would be served from L2, a case a decode step never has (every other
+    weight streams through between two uses of one). The check of the whole is a decode step on
+    the GPU with and without skinny_linear (scripts/benchmarks/bench_rollouts.py);
+    scripts/benchmarks/bench_gemv.py times each shape the same way inside a CUDA graph.
     """
     generator = torch.Generator(device=x2d_MK.device).manual_seed(0)
     x_check_MK = torch.randn(x2d_MK.shape, generator=generator, device=x2d_MK.device).to(x2d_MK.dtype)
     ref_MN = nn.functional.linear(x_check_MK, w_NK).float()
-    candidates = {"cublas": lambda: nn.functional.linear(x2d_MK, w_NK)}
+    l2_bytes = torch.cuda.get_device_properties(x2d_MK.device).L2_cache_size
+    num_weights = math.ceil(2 * l2_bytes / (w_NK.numel() * w_NK.element_size()))
+    weights = [w_NK] + [w_NK.clone() for _ in range(num_weights - 1)]
+    candidates = {"cublas": lambda i: nn.functional.linear(x_check_MK, weights[i])}
     failed = {}
     for idx, config in enumerate(SKINNY_CONFIGS):
         try:
@@ -2479,11 +2489,8 @@ def race_skinny_backends(x2d_MK: torch.Tensor, w_NK: torch.Tensor) -> dict:
         if not rel_err <= skinny_tolerance(w_NK.dtype):  # also drops NaN
             failed[idx] = f"relative error {rel_err:.2e} against F.linear"
             continue
-        candidates[idx] = lambda config=config: skinny_matmul_triton(x2d_MK, w_NK, config)
-    flush_L2 = torch.empty(
-        2 * torch.cuda.get_device_properties(x2d_MK.device).L2_cache_size, dtype=torch.int8, device=x2d_MK.device
-    )
-    us = {name: _gpu_us_per_call(fn, flush_L2) for name, fn in candidates.items()}
+        candidates[idx] = lambda i, config=config: skinny_matmul_triton(x_check_MK, weights[i], config)
+    us = {name: _gpu_us_per_call(fn, num_weights) for name, fn in candidates.items()}
     return {"winner": min(us, key=us.get), "us": us, "failed": failed}
 
 

@@ -3,7 +3,8 @@
 bf16; cuBLAS (F.linear) against every config of qwen3_flex_inference.SKINNY_CONFIGS, and what the
 skinny_linear op's own race picks.
 
-Each backend is timed as a CUDA graph of back-to-back calls (so launch overhead stays out) that
+Each backend is timed as a CUDA graph of back-to-back calls (so launch overhead stays out; the
+Triton kernels with programmatic dependent launch, as in the decode graphs) that
 rotate over copies of the weight totalling at least --rotate_mb, so that L2 (50 MB on an H200)
 cannot serve them: as in a decode step, where every other weight streams through between two uses
 of one. Median over replays; us per call and achieved TB/s (weight bytes / time). The summary ends
@@ -123,8 +124,8 @@ def measure_shape(name: str, N: int, K: int, num_rows: list[int], args) -> list[
             except Exception as error:  # report every failure mode (out of resources, mismatch, capture) and go on
                 row["error"] = f"{type(error).__name__}: {str(error)[:200]}"
             m_rows.append(row)
-        # The op's own race (L2-flushed eager timing on one weight), for comparison with the graph
-        # numbers; above SKINNY_MAX_ROWS the op is cuBLAS.
+        # The op's own race (eager back-to-back calls over weight copies), for comparison with the
+        # graph numbers; above SKINNY_MAX_ROWS the op is cuBLAS.
         engine.skinny_linear(x_MK, weights_CNK[0])
         choice = engine.SKINNY_CHOICES.get((N, K, "bfloat16", engine.skinny_rows_bucket(M)), {"winner": "cublas"})
         winner = "cublas" if choice["winner"] == "cublas" else f"triton{choice['winner']}"
@@ -240,10 +241,14 @@ def main() -> int:
     for idx, config in enumerate(args.configs):
         print(f"triton{idx}: {config}")
     rows = []
-    for name in args.shapes:
-        N, K, _ = E2B_SHAPES[name]
-        rows += measure_shape(name, N, K, args.num_rows, args)
-        torch.cuda.empty_cache()  # the copies of this shape's weight are gone
+    # as in the decode graphs: programmatic dependent launch for the Triton kernels, unless
+    # TORCHINDUCTOR_ENABLE_PDL=0
+    with engine.programmatic_launch_settings():
+        print(f"programmatic dependent launch: {engine.is_programmatic_launch_on(torch.device('cuda'))}")
+        for name in args.shapes:
+            N, K, _ = E2B_SHAPES[name]
+            rows += measure_shape(name, N, K, args.num_rows, args)
+            torch.cuda.empty_cache()  # the copies of this shape's weight are gone
     totals = summarize(rows, args.num_rows)
     if args.out:
         with open(args.out, "w") as f:
