@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+import qwen3_flex_inference as engine_module
 from qwen3_flex_inference import SKINNY_CHOICES, FlexInference, SamplingParams, Sequence, peak_memory_gb
 from scripts.benchmarks.profile_decode import decode_kernel_table
 
@@ -308,8 +309,15 @@ def main() -> int:
         "--load_in_4bit", action="store_true", help="bitsandbytes NF4 weights, --dtype the compute dtype"
     )
     parser.add_argument("--lora_rank", type=int, default=0, help="a random LoRA adapter of this rank (0: none)")
+    parser.add_argument(
+        "--skinny_max_rows",
+        type=int,
+        default=engine_module.SKINNY_MAX_ROWS,
+        help="skinny_linear races the Triton kernel only up to this many rows (to measure the row limit)",
+    )
     parser.add_argument("--out", default=None, help="write all results as JSON here")
     args = parser.parse_args()
+    engine_module.SKINNY_MAX_ROWS = args.skinny_max_rows
     device = torch.device(args.device)
     bandwidth = copy_bandwidth_gbs(device)
     dtype = getattr(torch, args.dtype)
@@ -371,6 +379,7 @@ def main() -> int:
         "lora_rank": args.lora_rank,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
+        "skinny_max_rows": args.skinny_max_rows,
         "copy_bandwidth_gbs": bandwidth,
         "weight_bytes_per_step": weight_bytes,
         "command": " ".join(sys.argv),
