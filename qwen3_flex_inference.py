@@ -2246,11 +2246,14 @@ def programmatic_launch_option(use_pdl: bool) -> dict:
 # - Under programmatic dependent launch (is_programmatic_launch_on) a program prefetches its first
 #   weight lines into L2 before it waits for the previous kernel: the weight never depends on it.
 
-# NOTE: without programmatic dependent launch, a sweep of 30 configs at 32-64 rows saved only 1-2% of
-# cuBLAS's time over a step (bench_gemv.py --sweep; numbers in scripts/benchmarks/README.md); under
-# it, a Triton GEMM's launch overlaps the previous kernel's tail, which cuBLAS's never does.
-SKINNY_MAX_ROWS = 256  # rows (decode batch) up to which skinny_linear races the Triton kernel against cuBLAS
-SKINNY_KERNEL_MAX_ROWS = 256  # rows the kernel takes (BLOCK_M: the row bucket, at least 16)
+# NOTE: up to 64 rows because that is where it paid on an H200 (scripts/benchmarks/README.md,
+# round 7): raced up to 64 rows, under programmatic dependent launch (a Triton GEMM's launch
+# overlaps the previous kernel's tail; cuBLAS's never does), the step at batch 64 went from 3.46 to
+# 3.33 ms, though timed alone the kernel is only level with cuBLAS there. At 128-256 rows, wgmma
+# tiles of 64 x 128-256 lost to cuBLAS on every E2B shape but the PLE projection, and the step did
+# not gain (4.93 against 4.91 ms at batch 256).
+SKINNY_MAX_ROWS = 64  # rows (decode batch) up to which skinny_linear races the Triton kernel against cuBLAS
+SKINNY_KERNEL_MAX_ROWS = 64  # rows the kernel takes (BLOCK_M: the row bucket, at least 16)
 SKINNY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SKINNY_TICKETS = 8192  # split-K ticket counters per device: one per output tile of a launch
 # weight bytes each program prefetches into L2 before it waits for the previous kernel, under
@@ -2267,16 +2270,13 @@ class SkinnyConfig:
     split_k: int  # programs sharing one row block's K (1: out written directly, one kernel)
     num_warps: int
     num_stages: int  # software-pipeline depth: num_stages - 1 tiles of w in flight per program
-    row_buckets: tuple[int, int] = (1, 64)  # the smallest and largest row bucket the race tries it at
 
 
 # NOTE: picked for E2B's bf16 decode shapes on an H200 (132 SMs, 227 KB shared memory per block):
 # each shape has configs giving >= ~130 programs with work, except the 0.79 MB PLE ones, whose time
 # is latency: their config is one kernel with all of a program's K chunks in flight at once. Shared
-# memory per program is about num_stages * (block_n + BLOCK_M) * block_k * 2 bytes; configs that
-# exceed the limit (in float32) fail to launch there and are dropped by the race. At 128-256 rows
-# the product is a 64 x 128-256 wgmma tile per warpgroup with BLOCK_K 64 (the accumulator, 64-128
-# fp32 registers a thread, leaves room for no more without spilling).
+# memory per program is about num_stages * (block_n + 16) * block_k * 2 bytes; configs that exceed
+# the limit (in float32) fail to launch there and are dropped by the race.
 SKINNY_CONFIGS = (
     SkinnyConfig(128, 128, 1, 8, 4),  # very wide N: lm_head (262144), gate_up of the KV-shared layers (24576)
     SkinnyConfig(64, 128, 1, 4, 4),  # wide N: gate_up (12288), per-layer model projection (8960)
@@ -2288,10 +2288,6 @@ SKINNY_CONFIGS = (
     SkinnyConfig(
         16, 256, 1, 4, 6
     ),  # tiny weights (PLE gate 256 x 1536, projection 1536 x 256): up to 6 K chunks in flight
-    SkinnyConfig(128, 64, 1, 8, 3, (128, 256)),  # 128-256 rows, wide N (gate_up, lm_head)
-    SkinnyConfig(64, 64, 1, 8, 4, (128, 256)),  # 128-256 rows, N 2048-5120 (qkv, q)
-    SkinnyConfig(64, 64, 4, 8, 3, (128, 256)),  # 128-256 rows, N 1536 (o, down, PLE projection)
-    SkinnyConfig(32, 64, 4, 4, 3, (128, 256)),  # 128-256 rows, N 256 (PLE gate)
 )
 
 if triton is not None:
@@ -2462,8 +2458,8 @@ def _gpu_us_per_call(call, num_weights: int) -> float:
 
 
 def race_skinny_backends(x2d_MK: torch.Tensor, w_NK: torch.Tensor) -> dict:
-    """Times F.linear and every config of SKINNY_CONFIGS for this row bucket on this input's shape;
-    returns an entry of SKINNY_CHOICES.
+    """Times F.linear and every config of SKINNY_CONFIGS on this input's shape; returns an entry of
+    SKINNY_CHOICES.
 
     A config is first checked against F.linear on a fresh random x (seeded, its own generator, so
     the caller's RNG stream is untouched; the caller's x may be all zeros in a warm-up) with the
@@ -2486,10 +2482,7 @@ def race_skinny_backends(x2d_MK: torch.Tensor, w_NK: torch.Tensor) -> dict:
     weights = [w_NK] + [w_NK.clone() for _ in range(num_weights - 1)]
     candidates = {"cublas": lambda i: nn.functional.linear(x_check_MK, weights[i])}
     failed = {}
-    rows_bucket = skinny_rows_bucket(x2d_MK.shape[0])
     for idx, config in enumerate(SKINNY_CONFIGS):
-        if not config.row_buckets[0] <= rows_bucket <= config.row_buckets[1]:
-            continue
         try:
             got_MN = skinny_matmul_triton(x_check_MK, w_NK, config).float()
         except Exception as error:  # any compile or launch failure (e.g. triton's OutOfResources) drops the config

@@ -313,10 +313,14 @@ def main() -> int:
         "--skinny_max_rows",
         type=int,
         default=engine_module.SKINNY_MAX_ROWS,
-        help="skinny_linear races the Triton kernel only up to this many rows (to measure the row limit)",
+        help="skinny_linear races the Triton kernel only up to this many rows (0: cuBLAS only; to measure the row limit)",
     )
     parser.add_argument("--out", default=None, help="write all results as JSON here")
     args = parser.parse_args()
+    if not 0 <= args.skinny_max_rows <= engine_module.SKINNY_KERNEL_MAX_ROWS:
+        raise SystemExit(
+            f"--skinny_max_rows must be 0..{engine_module.SKINNY_KERNEL_MAX_ROWS}: got {args.skinny_max_rows}"
+        )
     engine_module.SKINNY_MAX_ROWS = args.skinny_max_rows
     device = torch.device(args.device)
     bandwidth = copy_bandwidth_gbs(device)
