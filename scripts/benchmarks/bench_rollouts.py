@@ -313,7 +313,7 @@ def main() -> int:
         "--skinny_max_rows",
         type=int,
         default=engine_module.SKINNY_MAX_ROWS,
-        help="skinny_linear races the Triton kernel only up to this many rows (0: cuBLAS only; to measure the row limit)",
+        help="skinny_linear races the Triton kernel up to this many rows only (0: cuBLAS; measures the row limit)",
     )
     parser.add_argument("--out", default=None, help="write all results as JSON here")
     args = parser.parse_args()
