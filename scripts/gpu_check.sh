@@ -6,7 +6,8 @@
 # kernels: which flex_attention kernel options work at head_dim 256/512 (prefill and decode)
 # tests:   tests/test_gpu.py (float32 tokens = HF eager, with CUDA graphs and compiled + fused; bf16
 #          eager = graph; bf16 decode logit error of the fastest mode vs HF bf16's; every Triton GEMM
-#          config against fp64; 4.6 min on an H200)
+#          config against fp64; 4.6 min on an H200 before the skinny race went to 64 rows, now over
+#          400 s for 16 of its 22 tests: give it a device call of its own)
 # bench:   the CLIs on tiny checkpoints (CUDA graphs, LoRA + drift check, 4-bit) and a dummy Qwen3-4B
 # e2b:     the Gemma CLI on the E2B architecture (--load_format dummy, bf16), batch 64 and 1
 # profile: per-kernel GPU time of E2B decode steps and CUDA-graph replay time, batch 1 and 64
