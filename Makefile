@@ -1,5 +1,6 @@
-# make run  - the main job: the Gemma-4 engine on the embedded tiny multimodal checkpoint (CPU),
-#             or on the real unsloth/gemma-4-E2B-it where a GPU and the hub are there
+# make run  - the main job: the Gemma-4 engine on the embedded trained Gemma-4 checkpoint (CPU; the
+#             CI size of scripts/train_checkpoints.py, committed), or on the real unsloth/gemma-4-E2B-it
+#             where a GPU and the hub are there
 # make test - the whole test suite (CPU, float32; GPU-only tests skip without CUDA)
 PYTHON ?= python3
 VENV ?= .venv
@@ -18,7 +19,7 @@ install: $(VENV)/.installed
 checkpoints: install
 	$(PY) scripts/make_tiny_checkpoints.py
 
-run: checkpoints
+run: install
 	$(PY) -m scripts.run_main
 
 test: install

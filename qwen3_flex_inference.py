@@ -14,7 +14,8 @@ The file reads in the order a request travels:
    decode GEMMs, the Triton paged decode attention.
 7. The model patches (Qwen3/Llama attention, fused projections), the LoRA double-copy, unmerged
    LoRA (4-bit weights) and the drift check, data parallel (one engine per torchrun rank), TRL's
-   GRPOTrainer rollout function, loaders (bf16 or bitsandbytes 4-bit), and last the CLI.
+   GRPOTrainer rollout function and its importance-sampling correction, loaders (bf16 or
+   bitsandbytes 4-bit), and last the CLI.
 
 Ideas taken from: PagedAttention (vLLM) for the paged KV cache; nano-vllm and flex-nano-vllm for
 the scheduler / model-runner split, the page table and turning a logical block mask into a
@@ -3270,6 +3271,193 @@ def trl_sampling_params(trainer, base: SamplingParams, n: int) -> SamplingParams
         max_new_tokens=trainer.max_completion_length,
         stop_token_ids=tuple(base.stop_token_ids) + tuple(trainer.eos_token_ids),
         logprobs=True,
+    )
+
+
+# The importance-sampling modes of GRPOConfig's `vllm_importance_sampling_mode`.
+IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+# GRPO's loss types whose per-token policy loss is linear in the advantage, with a factor chosen by its sign.
+ADVANTAGE_LINEAR_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo")
+
+# The multimodal inputs of TRL's `_get_per_token_logps_and_entropies`, as `_compute_loss` reads them from the batch.
+TRL_MULTIMODAL_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
+
+
+def sampler_corrected(trainer_class=None) -> type:
+    """A subclass of `trainer_class` (default: TRL's `GRPOTrainer`) that applies TRL's importance-sampling
+    correction to the log-probs a `rollout_func` returns, as TRL 1.16 does only on its vLLM path.
+
+    With GRPOConfig's `vllm_importance_sampling_correction` (TRL's default), after each generation:
+    the trainer's log-probs of the completions (`old_per_token_logps`, one no-grad forward over the
+    batch unless TRL computed them; kept in the batch, so the PPO ratio starts from them as on the vLLM
+    path), the ratio exp(trainer - sampler) of TRL's `vllm_importance_sampling_mode` (per token or per
+    sequence; truncated or masked at `vllm_importance_sampling_clip_min/max`; see
+    `sampler_importance_ratio`), and TRL's metrics `sampling/sampling_logp_difference/{mean,max}` and
+    `sampling/importance_sampling_ratio/{min,mean,max}`. Without the correction it changes nothing.
+    `use_vllm=True` (TRL corrects itself) and loss types outside `ADVANTAGE_LINEAR_LOSS_TYPES` (`vespo`)
+    are refused with one sentence.
+
+    NOTE: TRL multiplies each token's policy loss by the ratio (non-negative, detached) before adding
+    the KL term. For every loss in `ADVANTAGE_LINEAR_LOSS_TYPES` that policy loss is linear in the
+    advantage A with a factor chosen by A's sign (`-min(coef_1 * A, coef_2 * A)`, cispo's and sapo's
+    `-c * A`), so the ratio is folded into the advantages instead, without a copy of `_compute_loss`:
+    `advantages` becomes (B, T) in token modes, (B, 1) in sequence modes (`_compute_loss` takes both;
+    the batch's shuffle and split cut along B only). Loss and gradient are TRL's; only its clip-ratio
+    metrics, which read A's sign and shape, tell the two apart: a token whose ratio is 0 (mask modes) no
+    longer counts as clipped, and with `importance_sampling_level="sequence"` and a token mode they
+    average over tokens, not sequences.
+    """
+    if trainer_class is None:
+        from trl import GRPOTrainer
+
+        trainer_class = GRPOTrainer
+
+    class SamplerCorrected(trainer_class):
+        def __init__(self, model, reward_funcs=None, args=None, *rest, **kwargs):
+            if args is not None:  # before TRL's init, which starts vLLM for use_vllm=True
+                check_sampler_correction(args)
+            super().__init__(model, reward_funcs, args, *rest, **kwargs)
+
+        def _generate_and_score_completions(self, inputs):
+            output = super()._generate_and_score_completions(inputs)
+            if self.vllm_importance_sampling_correction and output.get("sampling_per_token_logps") is not None:
+                check_sampler_correction(self)
+                correct_for_sampler(self, output)
+            return output
+
+    SamplerCorrected.__name__ = SamplerCorrected.__qualname__ = f"SamplerCorrected{trainer_class.__name__}"
+    return SamplerCorrected
+
+
+def check_sampler_correction(config) -> None:
+    """Refuses what `sampler_corrected` cannot do as TRL does; `config` is a GRPOConfig or the trainer
+    (both carry the same attribute names)."""
+    if not config.vllm_importance_sampling_correction:
+        return
+    if config.use_vllm:
+        raise FlexInferenceError(
+            "TRL applies its importance-sampling correction itself with use_vllm=True: "
+            "use GRPOTrainer, not sampler_corrected"
+        )
+    if config.loss_type not in ADVANTAGE_LINEAR_LOSS_TYPES:
+        raise FlexInferenceError(
+            f"sampler_corrected cannot fold the importance-sampling ratio into loss_type {config.loss_type!r} "
+            "(TRL's vespo reweights by it inside its gamma weights): use one of "
+            f"{', '.join(ADVANTAGE_LINEAR_LOSS_TYPES)} or vllm_importance_sampling_correction=False"
+        )
+    if config.vllm_importance_sampling_mode not in IMPORTANCE_SAMPLING_MODES:
+        raise FlexInferenceError(
+            f"unknown vllm_importance_sampling_mode {config.vllm_importance_sampling_mode!r}: "
+            f"use one of {', '.join(IMPORTANCE_SAMPLING_MODES)}"
+        )
+
+
+def correct_for_sampler(trainer, output: dict) -> None:
+    """TRL's vLLM-path correction on one generation batch `output`, in place: `old_per_token_logps`
+    (computed if TRL did not), the metrics, and the ratio folded into `advantages`."""
+    from trl.models.utils import disable_gradient_checkpointing
+
+    mode = "train" if trainer.model.training else "eval"
+    completion_mask_BT = output["completion_mask"]
+    mask_BT = completion_mask_BT if output.get("tool_mask") is None else completion_mask_BT * output["tool_mask"]
+    if output.get("old_per_token_logps") is None:
+        batch_size = (
+            trainer.args.per_device_train_batch_size if mode == "train" else trainer.args.per_device_eval_batch_size
+        )
+        # The inputs `_compute_loss` gives the model, so the PPO ratio starts at 1 from these log-probs.
+        multimodal = {key: output.get(key) for key in TRL_MULTIMODAL_KEYS}
+        with torch.no_grad(), disable_gradient_checkpointing(trainer.model, trainer.args.gradient_checkpointing_kwargs):
+            output["old_per_token_logps"], _, _ = trainer._get_per_token_logps_and_entropies(
+                trainer.model,
+                torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1),
+                torch.cat([output["prompt_mask"], completion_mask_BT], dim=1),
+                output["completion_ids"].size(1),
+                batch_size=batch_size,
+                **multimodal,
+            )
+    trainer_logps_BT, sampler_logps_BT = output["old_per_token_logps"], output["sampling_per_token_logps"]
+    ratio = sampler_importance_ratio(
+        trainer_logps_BT,
+        sampler_logps_BT,
+        mask_BT,
+        trainer.vllm_importance_sampling_mode,
+        trainer.vllm_importance_sampling_clip_min,
+        trainer.vllm_importance_sampling_clip_max,
+    )
+    is_sequence_level = trainer.vllm_importance_sampling_mode.startswith("sequence_")
+    log_sampler_metrics(trainer, mode, trainer_logps_BT, sampler_logps_BT, mask_BT.bool(), ratio, is_sequence_level)
+    advantages = output["advantages"]
+    if advantages.dim() == 1:  # TRL's advantages are (B,); a subclass may give (B, T)
+        advantages = advantages.unsqueeze(1)
+    output["advantages"] = advantages * ratio  # (B, T) token modes, (B, 1) sequence modes
+
+
+def sampler_importance_ratio(
+    trainer_logps_BT: torch.Tensor,
+    sampler_logps_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    mode: str,
+    clip_min: float | None,
+    clip_max: float | None,
+) -> torch.Tensor:
+    """TRL 1.16's importance-sampling ratio of its vLLM path, from the trainer's and the sampler's log-probs.
+
+    The difference trainer - sampler is 0 outside `mask_BT` and where the sampler's log-prob is NaN
+    (one it could not give). `token_*` modes: exp of each token's difference, (B, T); `sequence_*`:
+    exp of their sum over the sequence, (B, 1). `*_truncate` clamps the ratio to [clip_min, clip_max];
+    `*_mask` sets a ratio outside that range to 0. A None bound is open.
+    """
+    difference_BT = torch.nan_to_num((trainer_logps_BT - sampler_logps_BT) * mask_BT, nan=0.0)
+    if mode.startswith("sequence_"):
+        difference_BT = difference_BT.sum(dim=-1, keepdim=True)
+    ratio = torch.exp(difference_BT)
+    if mode.endswith("_truncate"):
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    lower = -math.inf if clip_min is None else clip_min
+    upper = math.inf if clip_max is None else clip_max
+    return ratio.masked_fill((ratio < lower) | (ratio > upper), 0.0)
+
+
+def log_sampler_metrics(
+    trainer, mode: str, trainer_logps_BT, sampler_logps_BT, mask_BT, ratio, is_sequence_level: bool
+) -> None:
+    """TRL's vLLM-path metrics, gathered over the processes as TRL gathers them: |trainer - sampler| over
+    the masked tokens the sampler scored (mean, max), and the ratio over the masked tokens, or over the
+    sequences in sequence modes (min, mean, max)."""
+    from trl.trainer.utils import nanmax, nanmin
+
+    device, metrics = mask_BT.device, trainer._metrics[mode]
+    delta = torch.abs(trainer_logps_BT - sampler_logps_BT)
+    delta = delta[mask_BT & ~torch.isnan(delta)]
+    zero = torch.tensor(0.0, device=device)
+    metrics["sampling/sampling_logp_difference/mean"].append(
+        trainer.accelerator.gather(delta.mean() if delta.numel() else zero).mean().item()
+    )
+    metrics["sampling/sampling_logp_difference/max"].append(
+        trainer.accelerator.gather(delta.max() if delta.numel() else zero).max().item()
+    )
+    flat_ratio = ratio.flatten() if is_sequence_level else ratio[mask_BT]
+    if not flat_ratio.numel():
+        flat_ratio = zero.unsqueeze(0)
+    metrics["sampling/importance_sampling_ratio/min"].append(
+        nanmin(trainer.accelerator.gather(flat_ratio.min())).item()
+    )
+    metrics["sampling/importance_sampling_ratio/mean"].append(
+        trainer.accelerator.gather(flat_ratio.mean()).nanmean().item()
+    )
+    metrics["sampling/importance_sampling_ratio/max"].append(
+        nanmax(trainer.accelerator.gather(flat_ratio.max())).item()
     )
 
 

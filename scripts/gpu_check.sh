@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks in one call; everything lands under $OUT (default: ./out).
-#   scripts/gpu_check.sh [kernels] [tests] [bench] [e2b] [profile] [gemv] [gemv_sweep] [flex_decode] [attention] [attention_tiles] [rollouts...] [sampling] [grpo] [trl] [fourbit] [multi_gpu]
+#   scripts/gpu_check.sh [kernels] [tests] [bench] [e2b] [profile] [gemv] [gemv_sweep] [flex_decode] [attention] [attention_tiles] [rollouts...] [sampling] [grpo] [trl] [fourbit] [multi_gpu] [trained] [learning...]
 #   (no argument: kernels tests bench e2b profile; each phase must fit the 10-minute limit of one
 #   device call, so call it with one or two phases at a time)
 # kernels: which flex_attention kernel options work at head_dim 256/512 (prefill and decode)
@@ -40,6 +40,14 @@
 # fourbit:             the 4-bit GPU test (tiny Qwen3, Llama, Gemma-4: float32-compute NF4 + unmerged LoRA = HF + PEFT,
 #                      eager and compiled under CUDA graphs), then E2B in NF4 (bf16 compute), compiled step + CUDA graphs,
 #                      batch 1 and 64, without and with a rank-16 LoRA adapter, with kernel profiles; carry .whl/bnb (~7 min)
+# trained:             the GPU-size trained checkpoint (scripts/train_checkpoints.py --size gpu, a scaled-down E2B, on the
+#                      standard library carried in .whl/corpus/stdlib.tar.xz, else this Python's; skipped when already
+#                      there), then TRL's sampling log-prob difference on it (engine, HF generate, the trainer's recompute
+#                      noise) in bf16 with the engine's fastest mode (~6 min)
+# learning, learning_more, learning_corrected: GRPO on that checkpoint (the Python task), TRL with the engine's
+#                      rollouts and with its own generation: seed 0 of each; seeds 1 and 2; the engine with TRL's
+#                      importance-sampling correction, seeds 0-2 (a run file each in out/learning, and all of them in
+#                      $OUT/PHASE.json after each run). They train the checkpoint first if the machine is a fresh one.
 # multi_gpu: data-parallel scaling, the e2b batch-64 graph run (64 prompts per GPU) through torchrun
 #            on 1 GPU and on every GPU of the host: total tok/s on N GPUs vs 1
 set -u -o pipefail
@@ -57,9 +65,14 @@ fi
 
 if ls .whl/trl/trl-*.whl >/dev/null 2>&1 && ! $PY -c "import trl" 2>/dev/null; then  # TRL and what it needs that the image lacks
   wheels=".whl/trl/*.whl"
-  $PY -c "import pyarrow, sys; sys.exit(int(pyarrow.__version__.split('.')[0]) < 24)" 2>/dev/null || wheels="$wheels .whl/pyarrow/*.whl"
+  $PY -c "import pyarrow, sys; sys.exit(int(pyarrow.__version__.split('.')[0]) < 21)" 2>/dev/null || wheels="$wheels .whl/pyarrow/*.whl"
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site_trl $wheels && export PYTHONPATH=/tmp/site_trl${PYTHONPATH:+:$PYTHONPATH}
 fi
+
+train_gpu_checkpoint() {  # the GPU-size trained Gemma-4, unless this machine has it already
+  [ -f checkpoints/trained_gpu/gemma4/REPORT.json ] && return
+  run train_gpu $PY -m scripts.train_checkpoints --size gpu $stdlib --out checkpoints/trained_gpu
+}
 
 run() {  # run NAME CMD...: logs the command, its status and its time
   local name=$1; shift
@@ -77,6 +90,12 @@ run() {  # run NAME CMD...: logs the command, its status and its time
   $PY scripts/make_tiny_checkpoints.py
   tiny=checkpoints/tiny
   common="--device cuda --quiet --n_rounds 2"
+  fastest="--capture_cudagraph --compile_decode --fuse_projections"
+  stdlib=""  # the trained checkpoints' corpus: the standard library carried from the development machine, else this Python's
+  if [ -f .whl/corpus/stdlib.tar.xz ]; then
+    mkdir -p /tmp/stdlib && tar -xJf .whl/corpus/stdlib.tar.xz -C /tmp/stdlib && stdlib="--stdlib /tmp/stdlib"
+  fi
+  learn="$stdlib --device cuda --dtype bfloat16 --num_prompts 8 --num_generations 8 --max_completion_length 256 --learning_rate ${LEARNING_RATE:-1e-3}"
   for phase in $phases; do
     case $phase in
       kernels)
@@ -151,7 +170,6 @@ run() {  # run NAME CMD...: logs the command, its status and its time
           --hf_compile_mode "${HF_COMPILE_MODE:-reduce-overhead}" --out "$OUT/rollouts_hf_compile.json" ;;
       trl)
         grpo="--device cuda --dtype bfloat16 --num_prompts 8 --num_generations 8 --max_completion_length 256"
-        fastest="--capture_cudagraph --compile_decode --fuse_projections"
         e2b="--model_name unsloth/gemma-4-E2B-it --load_format dummy --tokenizer $tiny/gemma4"
         run trl_tiny_gemma4_logprobs $PY -m scripts.grpo_trl --model_name $tiny/gemma4 $grpo $fastest --steps 3 --compare_logprobs \
           --out "$OUT/trl_tiny_gemma4_logprobs.json"
@@ -165,6 +183,20 @@ run() {  # run NAME CMD...: logs the command, its status and its time
           --out "$OUT/rollouts_4bit.json" || system=engine_graph  # the uncompiled step if bitsandbytes does not compile
         run rollouts_4bit_lora $PY -m scripts.benchmarks.bench_rollouts --load_in_4bit --lora_rank 16 --batch_sizes 1 64 \
           --systems $system --profile --out "$OUT/rollouts_4bit_lora.json" ;;
+      trained)
+        train_gpu_checkpoint
+        cp checkpoints/trained_gpu/gemma4/REPORT.json "$OUT/trained_gpu_report.json"
+        run fidelity $PY -m scripts.grpo_trl --model_name checkpoints/trained_gpu/gemma4 $learn $fastest --steps 3 \
+          --compare_logprobs --out "$OUT/fidelity.json" ;;
+      learning|learning_more|learning_corrected)
+        train_gpu_checkpoint
+        case $phase in
+          learning) runs="--runs engine hf --seeds 0" ;;
+          learning_more) runs="--runs engine hf --seeds 1 2" ;;
+          learning_corrected) runs="--runs engine_corrected --seeds 0 1 2" ;;
+        esac
+        run $phase $PY -m scripts.benchmarks.bench_learning --out_dir out/learning $runs --bundle "$OUT/$phase.json" -- \
+          --model_name checkpoints/trained_gpu/gemma4 $learn $fastest --steps ${LEARNING_STEPS:-25} ;;
       multi_gpu)
         num_gpus=$(nvidia-smi -L | wc -l)
         for n in $(printf '%s\n' 1 "$num_gpus" | sort -un); do

@@ -1,18 +1,26 @@
 """GRPO with TRL's GRPOTrainer, its rollouts on this engine (`make_trl_rollout_func`) or on TRL's
-own generation (`--backend hf`): a LoRA adapter, a toy reward, a few steps, TRL's metrics printed
-one line per step.
+own generation (`--backend hf`): a LoRA adapter, a reward, a few steps, TRL's metrics printed one
+line per step.
 
-    python -m scripts.grpo_trl                          # the tiny Qwen3 on the CPU, in seconds
-    python -m scripts.grpo_trl --model_name Qwen/Qwen3-0.6B --device cuda --dtype bfloat16 --capture_cudagraph
+    python -m scripts.grpo_trl                          # the trained CI-size Qwen3 on the CPU
+    python -m scripts.grpo_trl --model_name checkpoints/trained_gpu/gemma4 --device cuda --capture_cudagraph
     python -m scripts.grpo_trl --backend hf ...         # the same run on TRL's default generation
     python -m scripts.grpo_trl --model_name unsloth/gemma-4-E2B-it --load_format dummy \
-        --tokenizer checkpoints/tiny/gemma4 --device cuda --compare_logprobs --out grpo_trl.json
+        --tokenizer checkpoints/trained/gemma4 --device cuda --compare_logprobs --out grpo_trl.json
+
+The task (`--task python`, for the checkpoints trained on the standard library's source,
+scripts/train_checkpoints.py): each prompt is the header of a held-out function (its signature and
+docstring) as a user turn; a completion earns 1 when it parses as Python (`parses_as_python`: the
+model writes the whole function, within `--max_completion_length` tokens), else 0. `--task digits`
+keeps the math prompts and the fraction of digits as the reward (any model).
 
 Gemma-4 checkpoints (multimodal or text-only) run on FlexGemma4Inference, as `load_gemma4` loads them.
-`--compare_logprobs` reports, at each step, TRL's sampling log-prob difference (|the trainer's
-log-prob - the sampler's| over the completion tokens) for the engine's completions, and for HF
+`--compare_logprobs` reports, at each step, TRL's sampling log-prob difference (the trainer's
+log-prob - the sampler's, over the completion tokens) for the engine's completions, for HF
 generate(do_sample=True)'s on the same prompts with its own log-probs, as TRL's default generation
-samples them.
+samples them, and the trainer's own recompute noise (the engine's completions scored at two batch
+sizes). `--sampler_correction` trains with TRL's importance-sampling correction on the engine's
+log-probs (`sampler_corrected`).
 """
 
 import argparse
@@ -36,13 +44,14 @@ from qwen3_flex_inference import (
     make_trl_rollout_func,
     resolve_device_and_dtype,
 )
+from scripts.train_checkpoints import SIZES, corpus_files, ensure_trained_checkpoints, function_chats, is_python
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model_name", default=None, help="hub id or checkpoint folder (default: the tiny Qwen3)")
+    p.add_argument("--model_name", default=None, help="hub id or checkpoint folder (default: the trained CI Qwen3)")
     p.add_argument(
         "--load_format",
         choices=["auto", "dummy"],
@@ -58,10 +67,17 @@ def build_arg_parser() -> argparse.ArgumentParser:
         help="auto: bfloat16 on CUDA, float32 on CPU",
     )
     p.add_argument("--backend", choices=["engine", "hf"], default="engine", help="who generates the rollouts")
+    p.add_argument(
+        "--task",
+        choices=["python", "digits"],
+        default="python",
+        help="python: write the function whose header the prompt gives, 1 if it parses; digits: math prompts,"
+        " the fraction of digits",
+    )
     p.add_argument("--steps", type=int, default=3, help="GRPO optimizer steps")
     p.add_argument("--num_prompts", type=int, default=2, help="prompts per step")
     p.add_argument("--num_generations", type=int, default=4, help="completions per prompt (GRPO's group size)")
-    p.add_argument("--max_completion_length", type=int, default=32, help="most new tokens per completion")
+    p.add_argument("--max_completion_length", type=int, default=64, help="most new tokens per completion")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (TRL's GRPOConfig)")
     p.add_argument("--learning_rate", type=float, default=1e-4, help="the adapter's learning rate")
     p.add_argument("--lora_r", type=int, default=16, help="LoRA rank (alpha = 2 * rank)")
@@ -75,14 +91,36 @@ def build_arg_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="engine: each step, TRL's sampling log-prob difference for the engine and for HF generate",
     )
+    p.add_argument(
+        "--sampler_correction",
+        action="store_true",
+        help="engine: TRL's importance-sampling correction on the engine's log-probs (sampler_corrected)",
+    )
+    p.add_argument("--stdlib", type=Path, default=None, help="python task: the corpus's root (default: this Python's)")
     p.add_argument("--out", default=None, help="a JSON file for the metrics of every step")
     return p
 
 
+def completion_texts(completions) -> list[str]:
+    return [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+
+
 def digit_reward(completions, **kwargs) -> list[float]:
     """A toy reward: the fraction of a completion's characters that are digits (math answers)."""
-    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
-    return [len(re.findall(r"\d", text)) / max(len(text), 1) for text in texts]
+    return [len(re.findall(r"\d", text)) / max(len(text), 1) for text in completion_texts(completions)]
+
+
+def parses_as_python(completions, **kwargs) -> list[float]:
+    """1 for a completion that parses as Python source, else 0 (one cut by the length limit rarely does)."""
+    return [float(is_python(text)) for text in completion_texts(completions)]
+
+
+def python_prompts(stdlib: Path | None = None, max_header_chars: int = 300) -> list[list[dict]]:
+    """The task's prompts: the header of every function of the held-out standard-library files
+    (scripts/train_checkpoints.py's split; `stdlib` None: this Python's) as a user turn, in corpus order."""
+    split = corpus_files(stdlib)
+    chats = [chat for _, text in split["held_out"] for chat in function_chats(text, SIZES["ci"].max_function_chars)]
+    return [[chat[0]] for chat in chats if len(chat[0]["content"]) <= max_header_chars]
 
 
 def load_model(model_name: str, is_gemma: bool, dtype: torch.dtype, device: torch.device, load_format: str):
@@ -102,6 +140,24 @@ def padded(rows: list, value, side: str) -> torch.Tensor:
 def sampling_logp_difference(trainer, prompt_ids: list, completion_ids: list, sampler_logps: list) -> torch.Tensor:
     """TRL's sampling log-prob difference: |the trainer's log-prob - the sampler's| of every completion
     token, the prompts and completions padded and scored as GRPOTrainer pads and scores them."""
+    return signed_logp_difference(trainer, prompt_ids, completion_ids, sampler_logps).abs()
+
+
+def signed_logp_difference(
+    trainer, prompt_ids: list, completion_ids: list, sampler_logps: list | None, batch_size: int | None = None
+) -> torch.Tensor:
+    """The trainer's log-prob - the sampler's of every completion token (flat), scored by the trainer in
+    chunks of `batch_size` rows (default: its training batch); `sampler_logps` None: the trainer's own
+    at its training batch, so the difference is the trainer's recompute noise between the two sizes."""
+    if sampler_logps is None:
+        reference = trainer_logps(trainer, prompt_ids, completion_ids, trainer.args.per_device_train_batch_size)
+        return trainer_logps(trainer, prompt_ids, completion_ids, batch_size) - reference
+    trainer_side = trainer_logps(trainer, prompt_ids, completion_ids, batch_size)
+    return trainer_side - torch.cat([torch.tensor(row, dtype=torch.float32) for row in sampler_logps]).to(trainer_side)
+
+
+def trainer_logps(trainer, prompt_ids: list, completion_ids: list, batch_size: int | None) -> torch.Tensor:
+    """The trainer's float32 log-probs of every completion token (flat), as GRPOTrainer pads and scores them."""
     pad_id = trainer.processing_class.pad_token_id
     device = trainer.accelerator.device
     prompt_mask = padded([[1] * len(ids) for ids in prompt_ids], 0, "left")
@@ -114,10 +170,18 @@ def sampling_logp_difference(trainer, prompt_ids: list, completion_ids: list, sa
             input_ids.to(device),
             attention_mask.to(device),
             completion_mask.size(1),
-            batch_size=trainer.args.per_device_train_batch_size,
+            batch_size=batch_size or trainer.args.per_device_train_batch_size,
         )
-    sampler = padded(sampler_logps, 0.0, "right").to(device)
-    return (trainer_logps.float() - sampler).abs()[completion_mask.to(device)]
+    return trainer_logps.float()[completion_mask.to(device)]
+
+
+def difference_stats(difference: torch.Tensor) -> dict:
+    """TRL's metric (mean and max |difference|) and the share of tokens whose importance ratio
+    exp(difference) falls outside [0.9, 1.1]."""
+    ratio = difference.exp()
+    outside = ((ratio < 0.9) | (ratio > 1.1)).float().mean().item()
+    magnitude = difference.abs()
+    return dict(mean=magnitude.mean().item(), max=magnitude.max().item(), outside=outside, tokens=difference.numel())
 
 
 def hf_generate_with_logprobs(trainer, prompt_ids: list) -> tuple[list, list]:
@@ -154,7 +218,9 @@ def hf_generate_with_logprobs(trainer, prompt_ids: list) -> tuple[list, list]:
 
 class LogprobComparison:
     """The engine's rollout_func, recording at each call TRL's sampling log-prob difference for the
-    engine's completions and for HF generate's (with its own log-probs) on the same prompts."""
+    engine's completions and for HF generate's (with its own log-probs) on the same prompts, and the
+    trainer's own recompute noise: the engine's completions scored at its training batch size and at
+    an eighth of it."""
 
     def __init__(self, rollout_func):
         self.rollout_func = rollout_func
@@ -162,17 +228,22 @@ class LogprobComparison:
 
     def __call__(self, prompts: list, trainer) -> dict:
         output = self.rollout_func(prompts, trainer)
-        engine = sampling_logp_difference(trainer, output["prompt_ids"], output["completion_ids"], output["logprobs"])
-        hf_ids, hf_logps = hf_generate_with_logprobs(trainer, output["prompt_ids"])
-        hf = sampling_logp_difference(trainer, output["prompt_ids"], hf_ids, hf_logps)
+        prompt_ids, completion_ids = output["prompt_ids"], output["completion_ids"]
+        hf_ids, hf_logps = hf_generate_with_logprobs(trainer, prompt_ids)
+        small_batch = max(1, trainer.args.per_device_train_batch_size // 8)
+        differences = {
+            "engine": signed_logp_difference(trainer, prompt_ids, completion_ids, output["logprobs"]),
+            "hf_generate": signed_logp_difference(trainer, prompt_ids, hf_ids, hf_logps),
+            "trainer_recompute": signed_logp_difference(trainer, prompt_ids, completion_ids, None, small_batch),
+        }
         record = {"step": trainer.state.global_step}
-        for name, difference in (("engine", engine), ("hf_generate", hf)):
-            record[name] = dict(mean=difference.mean().item(), max=difference.max().item(), tokens=difference.numel())
+        record.update({name: difference_stats(difference) for name, difference in differences.items()})
         print(
             f"sampling_logp_difference at step {record['step']}: "
             + ", ".join(
-                f"{name} mean {record[name]['mean']:.3g} max {record[name]['max']:.3g}"
-                for name in ("engine", "hf_generate")
+                f"{name} mean {record[name]['mean']:.3g} max {record[name]['max']:.3g} "
+                f"outside [0.9, 1.1] {100 * record[name]['outside']:.2f}%"
+                for name in differences
             ),
             flush=True,
         )
@@ -186,16 +257,18 @@ def run(args) -> None:
     from transformers import AutoTokenizer, PrinterCallback, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from scripts.make_tiny_checkpoints import ensure_tiny_checkpoints
-
-    model_name = args.model_name or str(ensure_tiny_checkpoints() / "qwen3")
+    start = time.perf_counter()  # the steps' wall_s counts from here: loading and the engine's start-up included
+    model_name = args.model_name or str(ensure_trained_checkpoints() / "qwen3")
     if args.load_format == "dummy" and args.tokenizer is None:
         raise FlexInferenceError("--load_format dummy has no tokenizer: name one with --tokenizer", "tokenizer")
     if args.compare_logprobs and args.backend != "engine":
         raise FlexInferenceError("--compare_logprobs compares the engine's log-probs: use it with --backend engine")
+    if args.sampler_correction and args.backend != "engine":
+        raise FlexInferenceError(
+            "--sampler_correction corrects for the engine's log-probs: use it with --backend engine"
+        )
     device, dtype = resolve_device_and_dtype(args.device, args.dtype)
     is_gemma = load_config(model_name, use_preset=args.load_format == "dummy").model_type.startswith("gemma4")
-    start = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_name)
     model = load_model(model_name, is_gemma, dtype, device, args.load_format)
     model.set_attn_implementation("sdpa")  # the trainer's forward passes (and TRL's generate) on SDPA
@@ -224,7 +297,10 @@ def run(args) -> None:
             rollout_func = LogprobComparison(rollout_func)
     print(f"loaded {model_name} ({args.backend} rollouts, {dtype}, {device}) in {time.perf_counter() - start:.1f} s")
 
-    prompts = [[{"role": "user", "content": text}] for text in demo_prompts()]
+    if args.task == "python":
+        prompts, reward = python_prompts(args.stdlib), parses_as_python
+    else:
+        prompts, reward = [[{"role": "user", "content": text}] for text in demo_prompts()], digit_reward
     output_dir = tempfile.TemporaryDirectory(prefix="grpo_trl_")  # TRL's; it saves nothing here (save_strategy "no")
     config = GRPOConfig(
         output_dir=output_dir.name,
@@ -234,6 +310,7 @@ def run(args) -> None:
         max_completion_length=args.max_completion_length,
         temperature=args.temperature,
         learning_rate=args.learning_rate,
+        lr_scheduler_type="constant",  # TRL's default decays to 0 over the run: a short run would barely move
         logging_steps=1,
         save_strategy="no",
         report_to="none",
@@ -252,11 +329,16 @@ def run(args) -> None:
             label = "total" if "train_runtime" in logs else f"step {state.global_step}"
             metrics = " ".join(f"{key}={value:.4g}" for key, value in logs.items() if isinstance(value, float))
             print(f"{label}: {metrics}", flush=True)
-            logged.append({"label": label, **logs})
+            logged.append({"label": label, "wall_s": time.perf_counter() - start, **logs})
 
-    trainer = GRPOTrainer(
+    trainer_class = GRPOTrainer
+    if args.sampler_correction:
+        from qwen3_flex_inference import sampler_corrected
+
+        trainer_class = sampler_corrected(GRPOTrainer)
+    trainer = trainer_class(
         model=policy,
-        reward_funcs=digit_reward,
+        reward_funcs=reward,
         args=config,
         train_dataset=Dataset.from_dict({"prompt": prompts}),
         processing_class=tokenizer,

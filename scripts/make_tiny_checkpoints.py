@@ -27,7 +27,7 @@ Notes on transformers 5.x Gemma-4 (checked against 5.17):
   heterogeneous ``per_layer_config`` ({layer_idx: {"head_dim": ...}} for the full-attention
   layers) and ``save_pretrained`` writes that ``per_layer_config`` instead of ``global_head_dim``.
   Released Gemma-4 checkpoints on the hub carry ``global_head_dim`` (+ ``num_global_key_value_heads``)
-  instead, so after saving we rewrite the text config to that hub form (``_hubify_gemma_text_config``);
+  instead, so after saving we rewrite the text config to that hub form (``rewrite_gemma_config_json``);
   transformers rebuilds the identical ``per_layer_config`` when loading it (verified below).
   ``num_global_key_value_heads`` is only honoured when ``attention_k_eq_v`` is True.
 * ``layer_scalar`` is a persistent buffer of every decoder layer: it is written to the safetensors
@@ -411,7 +411,7 @@ def _gemma_text_config(tok, k_eq_v: bool = False):
     )
 
 
-def _gemma_mm_config(tok, text_config):
+def gemma_mm_config(tok, text_config):
     from transformers import Gemma4AudioConfig, Gemma4Config, Gemma4VisionConfig
 
     vision = Gemma4VisionConfig(
@@ -454,13 +454,15 @@ def _gemma_mm_config(tok, text_config):
 def _hubify_gemma_text_config(d: dict, k_eq_v: bool) -> dict:
     """Replace transformers' serialised ``per_layer_config`` by the hub form (``global_head_dim``...)."""
     d = dict(d)
-    d.pop("per_layer_config", None)
-    d["global_head_dim"] = GEMMA_GLOBAL_HEAD_DIM
+    per_layer = d.pop("per_layer_config", None) or {}
+    global_head_dims = {layer["head_dim"] for layer in per_layer.values() if "head_dim" in layer}
+    assert len(global_head_dims) == 1, f"one global head_dim expected, got {global_head_dims}"
+    d["global_head_dim"] = global_head_dims.pop()
     d["num_global_key_value_heads"] = 1 if k_eq_v else None
     return dict(sorted(d.items()))
 
 
-def _rewrite_gemma_config_json(folder: Path, multimodal: bool, k_eq_v: bool) -> None:
+def rewrite_gemma_config_json(folder: Path, multimodal: bool, k_eq_v: bool) -> None:
     path = folder / "config.json"
     cfg = json.loads(path.read_text())
     if multimodal:
@@ -536,7 +538,7 @@ def _build_all(out: Path) -> list[dict]:
     # ---- gemma4 multimodal + gemma4_text with the very same text weights
     g_eos, g_eot, g_bos, g_pad = ids(gemma_tok, "<eos>", "<end_of_turn>", "<bos>", "<pad>")
     text_cfg = _gemma_text_config(gemma_tok)
-    mm = Gemma4ForConditionalGeneration(_gemma_mm_config(gemma_tok, copy.deepcopy(text_cfg))).float().eval()
+    mm = Gemma4ForConditionalGeneration(gemma_mm_config(gemma_tok, copy.deepcopy(text_cfg))).float().eval()
     _randomize_(mm, SEED + 3, embed_std=0.125)
     text = Gemma4ForCausalLM(copy.deepcopy(text_cfg)).float().eval()
     prefix = "model.language_model."
@@ -551,9 +553,9 @@ def _build_all(out: Path) -> list[dict]:
     assert text.lm_head.weight.data_ptr() == text.model.embed_tokens.weight.data_ptr()
 
     _save_model(mm, out / "gemma4", gemma_tok, [g_eos, g_eot], bos=g_bos, pad=g_pad)
-    _rewrite_gemma_config_json(out / "gemma4", multimodal=True, k_eq_v=False)
+    rewrite_gemma_config_json(out / "gemma4", multimodal=True, k_eq_v=False)
     _save_model(text, out / "gemma4_text", gemma_tok, [g_eos, g_eot], bos=g_bos, pad=g_pad)
-    _rewrite_gemma_config_json(out / "gemma4_text", multimodal=False, k_eq_v=False)
+    rewrite_gemma_config_json(out / "gemma4_text", multimodal=False, k_eq_v=False)
     sd_mm, sd_text = _state_dict_copy(mm), _state_dict_copy(text)
     n_lora = _save_lora(mm, out / "gemma4", LORA_TARGETS_MM_REGEX, SEED + 103)
     built.append(dict(name="gemma4", auto="mm", sd=sd_mm, n_lora=n_lora, tok=gemma_tok, cfg=text_cfg))
@@ -567,7 +569,7 @@ def _build_all(out: Path) -> list[dict]:
     assert model.model.layers[2].self_attn.v_proj is None
     _randomize_(model, SEED + 5, embed_std=0.125)
     _save_model(model, out / "gemma4_text_keqv", gemma_tok, [g_eos, g_eot], bos=g_bos, pad=g_pad)
-    _rewrite_gemma_config_json(out / "gemma4_text_keqv", multimodal=False, k_eq_v=True)
+    rewrite_gemma_config_json(out / "gemma4_text_keqv", multimodal=False, k_eq_v=True)
     sd = _state_dict_copy(model)
     n_lora = _save_lora(model, out / "gemma4_text_keqv", LORA_TARGETS, SEED + 105)
     built.append(dict(name="gemma4_text_keqv", auto="causal", sd=sd, n_lora=n_lora, tok=gemma_tok, cfg=keqv_cfg))

@@ -1,6 +1,7 @@
 """The main job (`make run`): the Gemma-4 engine on the real unsloth/gemma-4-E2B-it where a CUDA
-GPU and the Hugging Face hub are both there, otherwise on the embedded tiny multimodal checkpoint
-on the CPU. Extra arguments go to gemma4_flex_inference.py.
+GPU and the Hugging Face hub are both there, otherwise on the embedded trained Gemma-4 (the CI size
+of scripts/train_checkpoints.py, multimodal layout, with its LoRA adapter) on the CPU, completing
+held-out standard-library functions from their headers. Extra arguments go to gemma4_flex_inference.py.
 
     python -m scripts.run_main [ARGS]   # from the repository root
 """
@@ -16,7 +17,7 @@ def hub_is_reachable(model_name: str) -> bool:
 
         model_info(model_name, timeout=5)
         return True
-    except Exception:  # offline, DNS failure, gated: all mean "use the tiny checkpoint"
+    except Exception:  # offline, DNS failure, gated: all mean "use the trained tiny checkpoint"
         return False
 
 
@@ -24,15 +25,17 @@ def main() -> None:
     import torch
 
     import gemma4_flex_inference
-    from scripts.make_tiny_checkpoints import ensure_tiny_checkpoints
+    from scripts.train_checkpoints import ensure_trained_checkpoints
 
     if torch.cuda.is_available() and hub_is_reachable(REAL_MODEL):
         argv = ["--model_name", REAL_MODEL, "--capture_cudagraph", "--n_prompts", "64", "--max_batch_size", "64"]
     else:
-        tiny = ensure_tiny_checkpoints() / "gemma4"
+        trained = ensure_trained_checkpoints()
         argv = [
             "--model_name",
-            str(tiny),
+            str(trained / "gemma4"),
+            "--prompts_file",
+            str(trained / "prompts.jsonl"),
             "--device",
             "cpu",
             "--n_prompts",
@@ -46,13 +49,14 @@ def main() -> None:
             "--page_size",
             "16",
             "--max_new_tokens",
-            "32",
+            "96",
             "--lora_adapter",
-            str(tiny.parent / "gemma4_text" / "lora"),
+            str(trained / "gemma4" / "lora"),
             "--verify_no_drift",
         ]
         print(
-            f"no GPU with the hub in reach: running the tiny multimodal checkpoint {tiny} on the CPU", file=sys.stderr
+            f"no GPU with the hub in reach: running the trained Gemma-4 checkpoint {trained / 'gemma4'} on the CPU",
+            file=sys.stderr,
         )
     gemma4_flex_inference.main(argv + sys.argv[1:])
 
