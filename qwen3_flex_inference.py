@@ -4197,8 +4197,9 @@ def print_summary(stats: dict, args, is_random: bool) -> None:
             f"{args.max_seq_length} before --max_new_tokens {args.max_new_tokens}"
         )
     for number, text in enumerate(stats["sample_completions"][:2], 1):
-        text = text if isinstance(text, str) else f"token ids {text}"
-        print(f"completion {number}: {text.strip()[:300]!r}")
+        lines = text.strip().splitlines()[:12] if isinstance(text, str) else [f"token ids {text}"]
+        print(f"completion {number}:")  # as written, indented: code and text read as they would in a file
+        print("\n".join("    " + line[:160] for line in lines))
     if is_random:
         print("(random weights: the completions are random text by construction)")
 

@@ -44,10 +44,11 @@
 #                      standard library carried in .whl/corpus/stdlib.tar.xz, else this Python's; skipped when already
 #                      there), then TRL's sampling log-prob difference on it (engine, HF generate, the trainer's recompute
 #                      noise) in bf16 with the engine's fastest mode (~6 min)
-# learning, learning_more, learning_corrected: GRPO on that checkpoint (the Python task), TRL with the engine's
-#                      rollouts and with its own generation: seed 0 of each; seeds 1 and 2; the engine with TRL's
-#                      importance-sampling correction, seeds 0-2 (a run file each in out/learning, and all of them in
-#                      $OUT/PHASE.json after each run). They train the checkpoint first if the machine is a fresh one.
+# learning:            GRPO on that checkpoint (the Python task): TRL with $LEARNING_RUNS (default: the engine's rollouts
+#                      and TRL's own generation; engine_corrected: the engine with TRL's importance-sampling correction)
+#                      for each of $LEARNING_SEEDS (default 0 1 2), $LEARNING_STEPS steps (20); a run file each in
+#                      out/learning (kept while the machine is warm: a later call resumes), all of them in
+#                      $OUT/learning_$LEARNING_TAG.json after each run. It trains the checkpoint first on a fresh machine.
 # multi_gpu: data-parallel scaling, the e2b batch-64 graph run (64 prompts per GPU) through torchrun
 #            on 1 GPU and on every GPU of the host: total tok/s on N GPUs vs 1
 set -u -o pipefail
@@ -95,7 +96,7 @@ run() {  # run NAME CMD...: logs the command, its status and its time
   if [ -f .whl/corpus/stdlib.tar.xz ]; then
     mkdir -p /tmp/stdlib && tar -xJf .whl/corpus/stdlib.tar.xz -C /tmp/stdlib && stdlib="--stdlib /tmp/stdlib"
   fi
-  learn="$stdlib --device cuda --dtype bfloat16 --num_prompts 8 --num_generations 8 --max_completion_length 256 --learning_rate ${LEARNING_RATE:-1e-3}"
+  learn="$stdlib --device cuda --dtype bfloat16 --num_prompts 8 --num_generations 8 --max_completion_length ${LEARNING_MAX_TOKENS:-256} --learning_rate ${LEARNING_RATE:-1e-3}"
   for phase in $phases; do
     case $phase in
       kernels)
@@ -188,15 +189,11 @@ run() {  # run NAME CMD...: logs the command, its status and its time
         cp checkpoints/trained_gpu/gemma4/REPORT.json "$OUT/trained_gpu_report.json"
         run fidelity $PY -m scripts.grpo_trl --model_name checkpoints/trained_gpu/gemma4 $learn $fastest --steps 3 \
           --compare_logprobs --out "$OUT/fidelity.json" ;;
-      learning|learning_more|learning_corrected)
+      learning)
         train_gpu_checkpoint
-        case $phase in
-          learning) runs="--runs engine hf --seeds 0" ;;
-          learning_more) runs="--runs engine hf --seeds 1 2" ;;
-          learning_corrected) runs="--runs engine_corrected --seeds 0 1 2" ;;
-        esac
-        run $phase $PY -m scripts.benchmarks.bench_learning --out_dir out/learning $runs --bundle "$OUT/$phase.json" -- \
-          --model_name checkpoints/trained_gpu/gemma4 $learn $fastest --steps ${LEARNING_STEPS:-25} ;;
+        run learning $PY -m scripts.benchmarks.bench_learning --out_dir out/learning --runs ${LEARNING_RUNS:-engine hf} \
+          --seeds ${LEARNING_SEEDS:-0 1 2} --bundle "$OUT/learning_${LEARNING_TAG:-all}.json" -- \
+          --model_name checkpoints/trained_gpu/gemma4 $learn $fastest --steps ${LEARNING_STEPS:-20} ;;
       multi_gpu)
         num_gpus=$(nvidia-smi -L | wc -l)
         for n in $(printf '%s\n' 1 "$num_gpus" | sort -un); do

@@ -762,14 +762,18 @@ def ensure_trained_checkpoints(out: Path | None = None) -> Path:
 
 @contextlib.contextmanager
 def quiet_transformers():
+    """Transformers' warnings and progress bars off (loading and saving the assembled checkpoints)."""
     import transformers.utils.logging as transformers_logging
 
-    verbosity = transformers_logging.get_verbosity()
+    verbosity, has_bars = transformers_logging.get_verbosity(), transformers_logging.is_progress_bar_enabled()
     transformers_logging.set_verbosity_error()
+    transformers_logging.disable_progress_bar()
     try:
         yield
     finally:
         transformers_logging.set_verbosity(verbosity)
+        if has_bars:
+            transformers_logging.enable_progress_bar()
 
 
 def main(argv=None) -> None:

@@ -78,8 +78,19 @@ class RecordingRollout:
             call["hf_peft_greedy"] = hf_greedy(trainer.model, unique_ids, GREEDY_TOKENS, self.engine.end_ids)
             with trainer.model.disable_adapter():
                 call["base_greedy"] = hf_greedy(trainer.model, unique_ids, GREEDY_TOKENS, self.engine.end_ids)
+            call["adapter_logit_change"] = adapter_logit_change(trainer.model, unique_ids[0])
         self.calls.append(call)
         return output
+
+
+def adapter_logit_change(peft_model, input_ids: list[int]) -> float:
+    """The largest change the adapter makes to the model's logits on one prompt."""
+    ids = torch.tensor([input_ids], device=peft_model.device)
+    with torch.no_grad():
+        adapted = peft_model(input_ids=ids).logits
+        with peft_model.disable_adapter():
+            base = peft_model(input_ids=ids).logits
+    return (adapted - base).abs().max().item()
 
 
 def grpo_trainer(model, tokenizer, rollout_func, prompts, output_dir, max_steps=2, peft_config=None):
@@ -180,7 +191,8 @@ def test_engine_after_the_second_sync_equals_hf_peft_with_the_trainers_adapter(r
     assert call["engine_greedy"] == call["hf_peft_greedy"], (
         f"{run['name']}: {call['engine_greedy']=} {call['hf_peft_greedy']=}"
     )
-    assert call["hf_peft_greedy"] != call["base_greedy"], f"{run['name']}: the adapter does not change the tokens"
+    # A trained model's greedy tokens may survive one optimizer step; its logits do not.
+    assert call["adapter_logit_change"] > 1e-2, f"{run['name']}: the adapter barely changes the logits: {call=}"
 
 
 def test_the_pristine_base_is_the_trainers_frozen_base_and_stays_bit_equal(run):

@@ -88,7 +88,10 @@ def summarize(out_dir: Path, reward_level: float | None, window: int) -> dict:
             mean_reward=[statistics.fmean(values) for values in zip(*curves)],
             min_reward=[min(values) for values in zip(*curves)],
             max_reward=[max(values) for values in zip(*curves)],
-            wall_s=[statistics.fmean(steps[i]["wall_s"] for steps in seeds.values()) for i in range(num_steps)],
+            per_seed={
+                seed: dict(reward=[s["reward"] for s in steps], wall_s=[s["wall_s"] for s in steps])
+                for seed, steps in seeds.items()
+            },
             final_reward=finals[kind],
             steady_step_s=statistics.median(s["step_time"] for steps in seeds.values() for s in steps[1:]),
             first_step_wall_s=statistics.fmean(steps[0]["wall_s"] for steps in seeds.values()),
@@ -121,13 +124,14 @@ def plot(summary: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, (by_step, by_time) = plt.subplots(1, 2, figsize=(11, 4))
-    for kind, k in summary["kinds"].items():
+    for kind in sorted(summary["kinds"], key=list(LABELS).index):
+        k = summary["kinds"][kind]
         steps = list(range(1, len(k["mean_reward"]) + 1))
-        label = f"{LABELS.get(kind, kind)} ({len(k['seeds'])} seeds)"
+        label = f"{LABELS.get(kind, kind)} ({len(k['seeds'])} seed{'s' * (len(k['seeds']) > 1)})"
         line = by_step.plot(steps, k["mean_reward"], label=label)[0]
         by_step.fill_between(steps, k["min_reward"], k["max_reward"], color=line.get_color(), alpha=0.2)
-        by_time.plot(k["wall_s"], k["mean_reward"], color=line.get_color(), label=label)
-        by_time.fill_between(k["wall_s"], k["min_reward"], k["max_reward"], color=line.get_color(), alpha=0.2)
+        for run in k["per_seed"].values():  # each seed its own start-up: a mean over seeds would blur it
+            by_time.plot(run["wall_s"], run["reward"], color=line.get_color(), linewidth=1)
     for axes, xlabel in ((by_step, "GRPO step"), (by_time, "wall time since start (s), start-up included")):
         axes.axhline(summary["reward_level"], color="gray", linestyle=":", linewidth=1)
         axes.set_xlabel(xlabel)
@@ -135,7 +139,7 @@ def plot(summary: dict, path: Path) -> None:
         axes.grid(alpha=0.3)
     by_step.legend(loc="lower right", fontsize=8)
     by_step.set_title("reward per step (mean over seeds, band: min-max)")
-    by_time.set_title("reward against wall time")
+    by_time.set_title("reward against wall time (one line per seed)")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
 
@@ -169,8 +173,8 @@ def main(argv=None) -> None:
                     continue
                 start = time.perf_counter()
                 print(f"== {run} seed {seed}", flush=True)
-                subprocess.run(grpo_command(run, seed, grpo_args, out), check=True)
-                print(f"== {run} seed {seed}: {time.perf_counter() - start:.0f} s", flush=True)
+                status = subprocess.run(grpo_command(run, seed, grpo_args, out)).returncode
+                print(f"== {run} seed {seed}: exit {status} after {time.perf_counter() - start:.0f} s", flush=True)
                 if args.bundle:
                     runs = {
                         path.name: json.loads(path.read_text()) for path in sorted(args.out_dir.glob("*_seed*.json"))
