@@ -212,7 +212,12 @@ class Gemma4ModelRunner(ModelRunner):
             },
         }
         last_position_masks = packed_block_masks(
-            step.document_id_T, self.sliding_windows, self.device, last_positions_N
+            step.document_id_C,
+            step.num_tokens,
+            self.sliding_windows,
+            self.device,
+            last_positions_N,
+            self.max_batch_size,
         )
         last_position_step = dataclasses.replace(step, block_masks=last_position_masks)
         hidden_1NE = self.run_layers(

@@ -247,14 +247,14 @@ class FlexInference:
             regime: PageTable(page_size, pool_sizes[regime], max_batch_size + 1, max_seq_length, device)
             for regime in sliding_windows
         }
-        self.scheduler = Scheduler(
-            page_tables, sliding_windows, max_batch_size, max_seq_length, max(self.max_prefill_tokens, max_seq_length)
-        )
+        max_prefill_tokens = max(self.max_prefill_tokens, max_seq_length)
+        self.scheduler = Scheduler(page_tables, sliding_windows, max_batch_size, max_seq_length, max_prefill_tokens)
         self.runner = runner_class(
             self.causal_lm,
             page_tables,
             sliding_windows,
             max_batch_size,
+            max_prefill_tokens,
             decode_kernel_options=decode_kernel_options,
             prefill_kernel_options=prefill_kernel_options,
             fa4_prefill=fa4_prefill,
@@ -1079,6 +1079,7 @@ class ModelRunner:
         page_tables: dict[str, PageTable],
         sliding_windows: dict[str, int | None],
         max_batch_size: int,
+        max_prefill_tokens: int,
         decode_kernel_options: dict | None = None,
         prefill_kernel_options: dict | None = None,
         fa4_prefill: bool | None = None,
@@ -1094,6 +1095,8 @@ class ModelRunner:
         self.page_tables = page_tables  # attention regime -> page table (the scheduler's; flushed here)
         self.sliding_windows = sliding_windows  # attention regime -> window (None: full causal)
         self.page_size = next(iter(page_tables.values())).page_size
+        self.max_batch_size = max_batch_size  # the most sequences in one step, prefill or decode
+        self.max_packed_tokens = -(-max_prefill_tokens // 128) * 128  # the longest packed prefill row
         self.device = next(causal_lm.parameters()).device
         self.dtype = self.decoder.embed_tokens.weight.dtype
         self.kv_caches = self.build_kv_caches()
@@ -1264,22 +1267,24 @@ class ModelRunner:
             document_ids += [doc_idx] * len(ids)
             for regime, table in self.page_tables.items():
                 physical_slots[regime] += table.physical_slots(seq.batch_idx, 0, len(ids))
-        num_padding = -len(token_ids) % 128
+        num_tokens = len(token_ids) + -len(token_ids) % 128
+        num_padding = num_tokens - len(token_ids)
         token_ids += [0] * num_padding
         position_ids += [0] * num_padding
-        document_ids += [len(sequences)] * num_padding
-        # One host->device copy for all step inputs: [3 + regimes, T].
-        rows = [token_ids, position_ids, document_ids] + [physical_slots[r] + [0] * num_padding for r in regimes]
+        # One host->device copy for the step inputs, [2 + regimes, T], one for the document ids.
+        rows = [token_ids, position_ids] + [physical_slots[r] + [0] * num_padding for r in regimes]
         inputs_RT = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
-        document_id_T = inputs_RT[2]
+        document_ids += [len(sequences)] * (self.max_packed_tokens - len(document_ids))
+        document_id_C = torch.tensor(document_ids, dtype=torch.long).to(self.device, non_blocking=True)
         self.flush_page_tables()
         step = PrefillStep(
-            block_masks=packed_block_masks(document_id_T, self.sliding_windows, self.device),
-            physical_slots={regime: inputs_RT[3 + i] for i, regime in enumerate(regimes)},
+            block_masks=packed_block_masks(document_id_C, num_tokens, self.sliding_windows, self.device),
+            physical_slots={regime: inputs_RT[2 + i] for i, regime in enumerate(regimes)},
             kv_caches=self.kv_caches,
             packed_kv=[None if cache is None else PackedKV() for cache in self.kv_caches],
             kernel_options=self.kernel_options,
-            document_id_T=document_id_T,
+            document_id_C=document_id_C,
+            num_tokens=num_tokens,
         )
         return inputs_RT[0:1], inputs_RT[1:2], step
 
@@ -1602,7 +1607,8 @@ class PrefillStep:
     kv_caches: list[PagedKVCache | None]  # per layer; None for layers that own no cache
     packed_kv: list[PackedKV | None]  # per layer, beside its cache
     kernel_options: dict[int, KernelOptions]  # head_dim -> options
-    document_id_T: torch.Tensor  # which sequence each packed token belongs to
+    document_id_C: torch.Tensor  # [max_packed_tokens]: which sequence each packed token belongs to (padding after T)
+    num_tokens: int  # T, the packed row's length
 
     def for_layer(self, cache_layer_idx: int, regime: str = FULL_ATTENTION) -> PrefillLayerStep:
         """The step as one layer sees it: the cache it writes (or, KV-shared, reads) and its regime's mask."""
@@ -1744,39 +1750,53 @@ def causal_mask_mod(sliding_window: int | None = None):
     return mask_mod
 
 
-def document_causal_mask_mod(document_id_T: torch.Tensor, sliding_window: int | None = None):
-    """Packed prefill: every prompt sees only itself, causally (windowed if asked)."""
+def document_causal_mask_mod(document_id_C: torch.Tensor, sliding_window: int | None = None):
+    """Packed prefill: every prompt sees only itself, causally (windowed if asked); document_id_C[i]
+    is token i's prompt."""
     causal = causal_mask_mod(sliding_window)
 
     def mask_mod(b, h, q_idx, kv_idx):
-        return (document_id_T[q_idx] == document_id_T[kv_idx]) & causal(b, h, q_idx, kv_idx)
+        return (document_id_C[q_idx] == document_id_C[kv_idx]) & causal(b, h, q_idx, kv_idx)
 
     return mask_mod
 
 
-def gathered_rows_mask_mod(mask_mod, row_idx_N: torch.Tensor):
-    """A mask over only some query rows of another: query n is row row_idx_N[n] of `mask_mod`."""
+def gathered_rows_mask_mod(mask_mod, row_idx_R: torch.Tensor):
+    """A mask over only some query rows of another: query n is row row_idx_R[n] of `mask_mod`."""
 
     def gathered(b, h, q_idx, kv_idx):
-        return mask_mod(b, h, row_idx_N[q_idx], kv_idx)
+        return mask_mod(b, h, row_idx_R[q_idx], kv_idx)
 
     return gathered
 
 
 def packed_block_masks(
-    document_id_T: torch.Tensor, sliding_windows: dict, device, query_rows_N: torch.Tensor | None = None
+    document_id_C: torch.Tensor,
+    num_tokens: int,
+    sliding_windows: dict,
+    device,
+    query_rows_N: torch.Tensor | None = None,
+    max_query_rows: int = 0,
 ) -> dict:
-    """Each attention regime's document-causal BlockMask over a packed row of T tokens; with
-    `query_rows_N`, for those query rows only ([N, T])."""
-    T = len(document_id_T)
+    """Each attention regime's document-causal BlockMask over a packed row of `num_tokens` (T)
+    tokens, whose document ids are the first T of `document_id_C`; with `query_rows_N`, for those
+    query rows only ([N, T]).
+
+    NOTE: every tensor a mask_mod captures keeps one size for the engine's life: the document ids
+    padded to the longest packed row, the query rows to `max_query_rows`. A captured size that
+    varies becomes a symbol inside the compiled kernel, and inductor's CPU flex template renames
+    its KV block-size symbol by text replacement, which corrupts every symbol that shares its
+    prefix (`ks5` inside `ks51`: "'cur_kvSplitSize1' was not declared", torch 2.13).
+    """
     masks = {}
     for regime, window in sliding_windows.items():
-        mask_mod = document_causal_mask_mod(document_id_T, window)
+        mask_mod = document_causal_mask_mod(document_id_C, window)
         if query_rows_N is None:
-            masks[regime] = create_block_mask(mask_mod, None, None, T, T, device=device)
+            masks[regime] = create_block_mask(mask_mod, None, None, num_tokens, num_tokens, device=device)
         else:
+            query_rows_R = nn.functional.pad(query_rows_N, (0, max_query_rows - len(query_rows_N)))
             masks[regime] = create_block_mask(
-                gathered_rows_mask_mod(mask_mod, query_rows_N), None, None, len(query_rows_N), T, device=device
+                gathered_rows_mask_mod(mask_mod, query_rows_R), None, None, len(query_rows_N), num_tokens, device=device
             )
     return masks
 

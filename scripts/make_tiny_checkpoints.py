@@ -198,7 +198,8 @@ def _build_corpus(prompts: list[str]) -> list[str]:
     return lines
 
 
-def _train_bpe(corpus: list[str], specials: list[str], vocab_size: int):
+def train_bpe(corpus: list[str], specials: list[str], vocab_size: int):
+    """A byte-level BPE trained on `corpus`, the `specials` taking ids 0, 1, ... in their order."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -221,7 +222,7 @@ def _make_tokenizers(corpus: list[str]):
     from transformers import PreTrainedTokenizerFast
 
     chatml = PreTrainedTokenizerFast(
-        tokenizer_object=_train_bpe(corpus, CHATML_SPECIALS, BPE_VOCAB_SIZE),
+        tokenizer_object=train_bpe(corpus, CHATML_SPECIALS, BPE_VOCAB_SIZE),
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         extra_special_tokens=["<|im_start|>", "<|im_end|>"],
@@ -231,7 +232,7 @@ def _make_tokenizers(corpus: list[str]):
         chat_template=CHATML_TEMPLATE,
     )
     gemma = PreTrainedTokenizerFast(
-        tokenizer_object=_train_bpe(corpus, GEMMA_SPECIALS, BPE_VOCAB_SIZE),
+        tokenizer_object=train_bpe(corpus, GEMMA_SPECIALS, BPE_VOCAB_SIZE),
         bos_token="<bos>",
         eos_token="<eos>",
         pad_token="<pad>",

@@ -17,14 +17,14 @@ The recipe, deterministic from `--seed` on a given machine and Python:
    float32 on the CPU, bf16 autocast on CUDA; then a LoRA adapter per model, trained on the chats
    alone. Gemma-4 is written in both layouts: multimodal (as E2B-it ships, with tiny towers) and
    text-only.
-5. Report (`REPORT.json` in each model's folder, the table in `scripts/trained_checkpoints/README.md`):
-   held-out cross-entropy (nats per token) and perplexity, the model's own mean next-token entropy
-   on held-out text, and greedy completions of held-out prompts.
+5. Report (`REPORT.json` in each model's folder; the tables in README.md, "Trained checkpoints",
+   and scripts/benchmarks/README.md): held-out cross-entropy (nats per token) and perplexity, the
+   model's own mean next-token entropy on held-out text, and greedy completions of held-out prompts.
 
-The CI size is committed (scripts/trained_checkpoints/, a few MB): training it takes tens of
-minutes on two CPU cores, more than the test suite's budget, and a float32 training run is exact
-only on the machine that ran it. `ensure_trained_checkpoints()` writes the text-only Gemma-4 layout
-next to the committed ones (checkpoints/trained/), the way the tests and `make run` use them.
+The CI size is committed (scripts/trained_checkpoints/, 12 MB in bf16): training it takes about an
+hour on two CPU cores, far beyond the test suite's budget, and a float32 training run is exact only
+on the machine that ran it. `ensure_trained_checkpoints()` assembles it under checkpoints/trained/,
+with the text-only Gemma-4 layout beside the multimodal one, the way the tests and `make run` use it.
 """
 
 from __future__ import annotations
@@ -66,23 +66,7 @@ EXCLUDED_TOP = {
 HELD_OUT_ONE_IN = 20
 
 # ----------------------------------------------------------------------------- special tokens, templates
-CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
-GEMMA_SPECIALS = [
-    "<pad>",
-    "<eos>",
-    "<bos>",
-    "<start_of_turn>",
-    "<end_of_turn>",
-    # the multimodal config's media placeholders point inside the vocabulary
-    "<image_soft_token>",
-    "<start_of_image>",
-    "<end_of_image>",
-    "<video_soft_token>",
-    "<audio_soft_token>",
-    "<start_of_audio>",
-    "<end_of_audio>",
-]
 # Message contents are plain strings here; each template is its family's, less tools and dates.
 CHATML_TEMPLATE = (
     "{%- for message in messages -%}"
@@ -248,26 +232,11 @@ def is_python(text: str) -> bool:
 
 
 # ============================================================================= tokenizers
-def train_bpe(texts: list[str], specials: list[str], vocab_size: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=2,
-        special_tokens=specials,  # ids 0 .. len(specials) - 1, in this order
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(texts, trainer=trainer)
-    return tokenizer
-
-
 def make_tokenizer(family: str, texts: list[str], vocab_size: int):
     """The family's tokenizer (transformers' fast tokenizer) with its specials and chat template."""
     from transformers import PreTrainedTokenizerFast
+
+    from scripts.make_tiny_checkpoints import CHATML_SPECIALS, GEMMA_SPECIALS, train_bpe
 
     if family == "qwen3":
         return PreTrainedTokenizerFast(

@@ -492,7 +492,7 @@ def test_a_run_prints_start_up_apart_from_timed_rounds_completions_and_a_short_q
     out, err = capsys.readouterr()
     assert "start-up: load" in out and "first round (compiles)" in out, out
     assert "timed rounds (1 after the first)" in out and "end to end" in out, out
-    assert out.count("completion 1: ") == 1 and out.count("completion 2: ") == 1, out
+    assert out.count("completion 1:\n") == 1 and out.count("completion 2:\n") == 1, out
     assert "random text by construction" in out, out
     assert err.strip().splitlines() == [line for line in err.strip().splitlines() if line.startswith("loaded ")], err
 
@@ -532,4 +532,4 @@ def test_grpo_template_keeps_a_prompt_s_own_system_turn(tiny_dir):
 def test_quiet_leaves_stderr_empty(tiny_dir, capsys):
     qwen3_flex_inference.main(cli_argv(tiny_dir / "qwen3", "--lora_adapter", str(tiny_dir / "qwen3" / "lora")))
     out, err = capsys.readouterr()
-    assert err == "" and "completion 1: " in out, f"{err=}"
+    assert err == "" and "completion 1:\n" in out, f"{err=}"

@@ -169,7 +169,7 @@ def test_torchrun_cli_prints_only_on_rank_0(cli_run):
     result = cli_run["result"]
     summaries = [line for line in result.stdout.splitlines() if " on 2 ranks, " in line]
     assert len(summaries) == 1, f"summary lines {summaries!r}; stdout={result.stdout!r}"
-    assert result.stdout.count("start-up: ") == 1 and result.stdout.count("completion 1: ") == 1, result.stdout
+    assert result.stdout.count("start-up: ") == 1 and result.stdout.count("completion 1:\n") == 1, result.stdout
     loaded = [line for line in result.stderr.splitlines() if line.startswith("loaded ")]
     assert len(loaded) == 1, f"'loaded' lines {loaded!r}"
 

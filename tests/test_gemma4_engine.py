@@ -263,3 +263,38 @@ def test_compiled_fused_decode_step_through_every_bucket_matches_hf(tiny_dir):
     assert compiled == want, f"compiled per bucket or per layer: {compiled=} {want=} {layer_kinds=}"
     for seq, ids, n in zip(sequences, prompts, new_tokens):
         assert seq.output_ids == hf_argmax_rollout(hf, [ids], n, set())[0]
+
+
+def captured_tensors(mask_mod) -> list[torch.Tensor]:
+    """The tensors a mask_mod captures, through the mask_mods it wraps."""
+    tensors = []
+    for cell in mask_mod.__closure__ or ():
+        value = cell.cell_contents
+        if isinstance(value, torch.Tensor):
+            tensors.append(value)
+        elif callable(value) and getattr(value, "__closure__", None):
+            tensors += captured_tensors(value)
+    return tensors
+
+
+def test_prefill_masks_capture_tensors_of_one_size_whatever_the_prompts(case, monkeypatch):
+    """A captured tensor whose size varies between prefills becomes a symbol in the compiled
+    kernel, which inductor's CPU flex template can corrupt (packed_block_masks' NOTE): the
+    document ids and the shortcut's query rows keep one size for every packed row."""
+    import qwen3_flex_inference
+
+    recorded = []
+
+    def recording_create_block_mask(mask_mod, *args, **kwargs):
+        recorded.append([tuple(t.shape) for t in captured_tensors(mask_mod)])
+        return create_block_mask(mask_mod, *args, **kwargs)
+
+    create_block_mask = qwen3_flex_inference.create_block_mask
+    monkeypatch.setattr(qwen3_flex_inference, "create_block_mask", recording_create_block_mask)
+    shapes = []
+    for lengths in ([5, 7, 9], [150, 20, 33, 40]):  # packed rows of 128 and 256 tokens, 3 and 4 prompts
+        recorded.clear()
+        prompts = random_prompts(lengths, case["hf"].config.vocab_size, seed=5)
+        case["engine"].generate([Sequence(input_ids=ids, max_new_tokens=1) for ids in prompts])
+        shapes.append(sorted(recorded))
+    assert shapes[0] == shapes[1] and any(shapes[0]), f"{case['name']}: {shapes=}"
