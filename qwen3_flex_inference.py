@@ -2094,8 +2094,11 @@ def compile_settings():
 
     NOTE: every distinct prefill length, head_dim and decode batch bucket is its own compiled
     specialisation; the default limit of 8 would silently fall back to eager flex attention.
+    NOTE: ints stay constants (`specialize_int`): a mask_mod's sliding window or page size that
+    differs between two engines in one process would otherwise become a symbol inside the compiled
+    mask, which inductor's CPU flex template corrupts (packed_block_masks' NOTE).
     """
-    return torch._dynamo.config.patch(recompile_limit=256, accumulated_recompile_limit=4096)
+    return torch._dynamo.config.patch(recompile_limit=256, accumulated_recompile_limit=4096, specialize_int=True)
 
 
 def programmatic_launch_settings():

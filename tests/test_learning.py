@@ -2,7 +2,7 @@
 the CPU, through `scripts/grpo_trl.py`: GRPO on the Python task (a held-out function's header in, 1
 when the completion parses) raises the reward with the engine's rollouts and with TRL's own
 generation alike, and the script's log-prob comparison finds the engine's log-probs equal to the
-trainer's (tests/test_trl.py checks them inside TRL's own steps, on both trained models)."""
+trainer's."""
 
 import json
 import statistics
@@ -49,10 +49,11 @@ def test_grpo_raises_the_share_of_completions_that_parse(backend, trained_dir, t
 def test_grpo_script_compares_the_engines_log_probs_with_hf_generates_and_the_trainers_recompute(
     trained_dir, tmp_path, capsys
 ):
+    """The learning run's shapes (the engine's compiled kernels serve both); tests/test_trl.py checks
+    the engine's log-probs inside TRL's steps on the trained Gemma-4 too."""
     out = tmp_path / "metrics.json"
-    model = str(trained_dir / "gemma4")
-    sizes = ["--num_prompts", "2", "--num_generations", "4", "--max_completion_length", "24", "--device", "cpu"]
-    grpo_main(["--model_name", model, "--steps", "2", "--compare_logprobs", "--out", str(out), *sizes])
+    model = str(trained_dir / "qwen3")
+    grpo_main(["--model_name", model, "--steps", "2", "--compare_logprobs", "--out", str(out), *LEARNING_ARGS])
     records = json.loads(out.read_text())["sampling_logp_difference"]
     assert [record["step"] for record in records] == [0, 1]
     for record in records:

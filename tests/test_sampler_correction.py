@@ -214,9 +214,12 @@ def loss_and_gradients(trainer, inputs) -> tuple[float, dict[str, torch.Tensor]]
     return loss.item(), grads
 
 
-@pytest.mark.parametrize("level", ["token", "sequence"])
-@pytest.mark.parametrize("mode", ["token_mask", "sequence_truncate"])
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+# Each loss type once, the four (mode, level) pairs in turn: every pair and every loss type covered.
+MODE_LEVELS = [(mode, level) for mode in ("token_mask", "sequence_truncate") for level in ("token", "sequence")]
+LOSS_CASES = [(loss_type, *MODE_LEVELS[i % len(MODE_LEVELS)]) for i, loss_type in enumerate(LOSS_TYPES)]
+
+
+@pytest.mark.parametrize("loss_type, mode, level", LOSS_CASES)
 def test_folded_advantages_give_the_loss_and_gradient_of_trls_ratio_weighted_loss(run, loss_type, mode, level):
     """With a KL term and the PPO clip active (old log-probs moved off the current ones), so the
     fold must commute with the clip's min and the ratio must not reach the KL term."""
