@@ -1738,7 +1738,18 @@ class PagedKVCache:
         self.v_cache[:, :, physical_slots] = v.transpose(0, 1).reshape(1, H, B * S, D)
 
 
-def causal_mask_mod(sliding_window: int | None = None):
+def mask_constant(value: int, device) -> torch.Tensor:
+    """A number a mask_mod reads (a sliding window, a page size), as a 0-dim tensor.
+
+    NOTE: a Python int in a mask_mod's closure that differs between two engines in one process
+    becomes a symbol of the compiled kernel (automatic dynamic shapes), and inductor's CPU flex
+    template corrupts symbols by text replacement (packed_block_masks' NOTE); a 0-dim tensor is a
+    buffer of one fixed shape, whatever its value.
+    """
+    return torch.full((), value, dtype=torch.long, device=device)
+
+
+def causal_mask_mod(sliding_window: torch.Tensor | int | None = None):
     """Logical causal mask (optionally windowed exactly as HF: kv > q - window)."""
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -1750,7 +1761,7 @@ def causal_mask_mod(sliding_window: int | None = None):
     return mask_mod
 
 
-def document_causal_mask_mod(document_id_C: torch.Tensor, sliding_window: int | None = None):
+def document_causal_mask_mod(document_id_C: torch.Tensor, sliding_window: torch.Tensor | None = None):
     """Packed prefill: every prompt sees only itself, causally (windowed if asked); document_id_C[i]
     is token i's prompt."""
     causal = causal_mask_mod(sliding_window)
@@ -1782,15 +1793,16 @@ def packed_block_masks(
     tokens, whose document ids are the first T of `document_id_C`; with `query_rows_N`, for those
     query rows only ([N, T]).
 
-    NOTE: every tensor a mask_mod captures keeps one size for the engine's life: the document ids
-    padded to the longest packed row, the query rows to `max_query_rows`. A captured size that
-    varies becomes a symbol inside the compiled kernel, and inductor's CPU flex template renames
-    its KV block-size symbol by text replacement, which corrupts every symbol that shares its
-    prefix (`ks5` inside `ks51`: "'cur_kvSplitSize1' was not declared", torch 2.13).
+    NOTE: a mask_mod reads no symbol of the compiled kernel: every tensor it captures keeps one size
+    for the engine's life (the document ids padded to the longest packed row, the query rows to
+    `max_query_rows`, numbers as 0-dim tensors: `mask_constant`). A captured size or int that varies
+    becomes a symbol, and inductor's CPU flex template renames its KV block-size symbol by text
+    replacement, which corrupts every symbol sharing its prefix (`ks5` inside `ks51`:
+    "'cur_kvSplitSize1' was not declared", torch 2.13).
     """
     masks = {}
     for regime, window in sliding_windows.items():
-        mask_mod = document_causal_mask_mod(document_id_C, window)
+        mask_mod = document_causal_mask_mod(document_id_C, None if window is None else mask_constant(window, device))
         if query_rows_N is None:
             masks[regime] = create_block_mask(mask_mod, None, None, num_tokens, num_tokens, device=device)
         else:
@@ -1833,7 +1845,9 @@ def visible_logical_blocks(
     return kv_num_blocks, kv_indices
 
 
-def physical_mask_mod(logical_mask_mod, physical_to_logical: torch.Tensor, batch_idx_B: torch.Tensor, page_size: int):
+def physical_mask_mod(
+    logical_mask_mod, physical_to_logical: torch.Tensor, batch_idx_B: torch.Tensor, page_size: torch.Tensor
+):
     """`logical_mask_mod` over physical cache rows: False on every page the row's slot does not
     own, so it is exact on its own, with or without the block indices (eager flex on CPU applies
     only the mask_mod)."""
@@ -1862,7 +1876,10 @@ class PagedDecodeMask:
     def block_mask(self) -> BlockMask:
         """One query row per sequence over the whole pool. seq_lengths must equal the real q/kv
         lengths (torch >= 2.9 checks); no q blocks are needed without a backward pass."""
-        logical_mask_mod = offset_mask_mod(causal_mask_mod(self.sliding_window), self.input_pos_B)
+        device = self.kv_indices.device
+        window = None if self.sliding_window is None else mask_constant(self.sliding_window, device)
+        logical_mask_mod = offset_mask_mod(causal_mask_mod(window), self.input_pos_B)
+        page_size = mask_constant(self.page_size, device)
         full_blocks = (None, None)
         if self.kv_indices.device.type == "cpu":
             # NOTE: torch's C++ flex kernel does not compile without full blocks: give it none.
@@ -1872,7 +1889,7 @@ class PagedDecodeMask:
             self.kv_indices,
             *full_blocks,
             BLOCK_SIZE=self.page_size,
-            mask_mod=physical_mask_mod(logical_mask_mod, self.physical_to_logical, self.batch_idx_B, self.page_size),
+            mask_mod=physical_mask_mod(logical_mask_mod, self.physical_to_logical, self.batch_idx_B, page_size),
             seq_lengths=(1, self.physical_to_logical.shape[1] * self.page_size),
             compute_q_blocks=False,
         )
@@ -2094,11 +2111,8 @@ def compile_settings():
 
     NOTE: every distinct prefill length, head_dim and decode batch bucket is its own compiled
     specialisation; the default limit of 8 would silently fall back to eager flex attention.
-    NOTE: ints stay constants (`specialize_int`): a mask_mod's sliding window or page size that
-    differs between two engines in one process would otherwise become a symbol inside the compiled
-    mask, which inductor's CPU flex template corrupts (packed_block_masks' NOTE).
     """
-    return torch._dynamo.config.patch(recompile_limit=256, accumulated_recompile_limit=4096, specialize_int=True)
+    return torch._dynamo.config.patch(recompile_limit=256, accumulated_recompile_limit=4096)
 
 
 def programmatic_launch_settings():

@@ -265,36 +265,51 @@ def test_compiled_fused_decode_step_through_every_bucket_matches_hf(tiny_dir):
         assert seq.output_ids == hf_argmax_rollout(hf, [ids], n, set())[0]
 
 
-def captured_tensors(mask_mod) -> list[torch.Tensor]:
-    """The tensors a mask_mod captures, through the mask_mods it wraps."""
-    tensors = []
+def captured_values(mask_mod) -> list:
+    """What a mask_mod captures, through the mask_mods it wraps (None and the wrapped functions left out)."""
+    values = []
     for cell in mask_mod.__closure__ or ():
         value = cell.cell_contents
-        if isinstance(value, torch.Tensor):
-            tensors.append(value)
-        elif callable(value) and getattr(value, "__closure__", None):
-            tensors += captured_tensors(value)
-    return tensors
+        if callable(value) and getattr(value, "__closure__", None):
+            values += captured_values(value)
+        elif value is not None:
+            values.append(value)
+    return values
 
 
-def test_prefill_masks_capture_tensors_of_one_size_whatever_the_prompts(case, monkeypatch):
-    """A captured tensor whose size varies between prefills becomes a symbol in the compiled
-    kernel, which inductor's CPU flex template can corrupt (packed_block_masks' NOTE): the
-    document ids and the shortcut's query rows keep one size for every packed row."""
+def test_mask_mods_capture_only_tensors_of_one_size_whatever_the_prompts(case, monkeypatch):
+    """A captured int, or a captured tensor whose size varies between steps, becomes a symbol in the
+    compiled kernel, which inductor's CPU flex template can corrupt (packed_block_masks' NOTE): the
+    prefill and decode masks capture tensors only, the prefill masks' of one size for every packed
+    row (the decode masks' are static per batch bucket, which is compiled on its own)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
     import qwen3_flex_inference
 
-    recorded = []
+    recorded, num_decode_masks = [], [0]
+
+    def captured_shapes(mask_mod) -> tuple:
+        values = captured_values(mask_mod)
+        assert all(isinstance(v, torch.Tensor) for v in values), f"a mask_mod captures {values}"
+        return tuple(tuple(v.shape) for v in values)
 
     def recording_create_block_mask(mask_mod, *args, **kwargs):
-        recorded.append([tuple(t.shape) for t in captured_tensors(mask_mod)])
+        recorded.append(captured_shapes(mask_mod))
         return create_block_mask(mask_mod, *args, **kwargs)
 
-    create_block_mask = qwen3_flex_inference.create_block_mask
+    def recording_from_kv_blocks(*args, mask_mod=None, **kwargs):
+        captured_shapes(mask_mod)
+        num_decode_masks[0] += 1
+        return from_kv_blocks(*args, mask_mod=mask_mod, **kwargs)
+
+    create_block_mask, from_kv_blocks = qwen3_flex_inference.create_block_mask, BlockMask.from_kv_blocks
     monkeypatch.setattr(qwen3_flex_inference, "create_block_mask", recording_create_block_mask)
+    monkeypatch.setattr(BlockMask, "from_kv_blocks", recording_from_kv_blocks)
     shapes = []
     for lengths in ([5, 7, 9], [150, 20, 33, 40]):  # packed rows of 128 and 256 tokens, 3 and 4 prompts
         recorded.clear()
         prompts = random_prompts(lengths, case["hf"].config.vocab_size, seed=5)
-        case["engine"].generate([Sequence(input_ids=ids, max_new_tokens=1) for ids in prompts])
-        shapes.append(sorted(recorded))
-    assert shapes[0] == shapes[1] and any(shapes[0]), f"{case['name']}: {shapes=}"
+        case["engine"].generate([Sequence(input_ids=ids, max_new_tokens=2) for ids in prompts])
+        shapes.append(set(recorded))
+    assert shapes[0] == shapes[1] and len(shapes[0]) >= 2, f"{case['name']}: {shapes=}"
+    assert num_decode_masks[0] > 0, "no decode mask was built: the decode half went untested"
