@@ -1800,13 +1800,16 @@ def packed_block_masks(
     replacement, which corrupts every symbol sharing its prefix (`ks5` inside `ks51`:
     "'cur_kvSplitSize1' was not declared", torch 2.13).
     """
+    query_rows_R = (
+        None if query_rows_N is None else nn.functional.pad(query_rows_N, (0, max_query_rows - len(query_rows_N)))
+    )
+    mark_compile_shapes("static", document_id_C, query_rows_R)  # another engine's sizes: a recompile, not a symbol
     masks = {}
     for regime, window in sliding_windows.items():
         mask_mod = document_causal_mask_mod(document_id_C, None if window is None else mask_constant(window, device))
         if query_rows_N is None:
             masks[regime] = create_block_mask(mask_mod, None, None, num_tokens, num_tokens, device=device)
         else:
-            query_rows_R = nn.functional.pad(query_rows_N, (0, max_query_rows - len(query_rows_N)))
             masks[regime] = create_block_mask(
                 gathered_rows_mask_mod(mask_mod, query_rows_R), None, None, len(query_rows_N), num_tokens, device=device
             )

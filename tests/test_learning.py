@@ -15,7 +15,7 @@ from scripts.train_checkpoints import ensure_trained_checkpoints
 pytest.importorskip("trl", reason="requirements.txt installs trl on Python >= 3.11 only")
 pytestmark = pytest.mark.filterwarnings("ignore:You are using 'rollout_func'")
 
-LEARNING_STEPS = 10
+LEARNING_STEPS = 8
 WINDOW = 3  # steps averaged at each end of the run
 MARGIN = 0.2  # the rise of the mean reward (the share of completions that parse), first WINDOW steps to last
 LEARNING_ARGS = [
