@@ -4294,17 +4294,18 @@ def demo_prompts() -> list[str]:
 
 
 def read_prompts(prompts_file: str | None, n_prompts: int) -> list:
-    """Prompts as strings or chat message lists (default: the demo prompts), cycled to `n_prompts`."""
+    """Prompts as strings or chat message lists (default: the demo prompts), cycled to `n_prompts`.
+
+    A file is JSONL when its name ends in .jsonl or its first non-blank line starts with "{", one
+    prompt per line otherwise; blank lines are skipped, and lines are numbered as in the file."""
     if n_prompts < 1:
         raise FlexInferenceError(f"n_prompts must be at least 1, got {n_prompts}", "n_prompts")
     prompts: list = demo_prompts()
     if prompts_file is not None:
-        if not os.path.isfile(prompts_file):
-            raise FlexInferenceError(f"prompts file {prompts_file} does not exist")
-        lines = [line for line in Path(prompts_file).read_text().splitlines() if line.strip()]
-        is_jsonl = prompts_file.endswith(".jsonl") or (lines and lines[0].lstrip().startswith("{"))
+        lines = [(number, line) for number, line in enumerate(read_prompt_lines(prompts_file), 1) if line.strip()]
+        is_jsonl = prompts_file.endswith(".jsonl") or (lines and lines[0][1].lstrip().startswith("{"))
         prompts = []
-        for number, line in enumerate(lines, 1):
+        for number, line in lines:
             if not is_jsonl:
                 prompts.append(line)
                 continue
@@ -4312,17 +4313,71 @@ def read_prompts(prompts_file: str | None, n_prompts: int) -> list:
                 record = json.loads(line)
             except json.JSONDecodeError:
                 raise FlexInferenceError(f"line {number} of {prompts_file} is not valid JSON")
-            value = (
-                record
-                if isinstance(record, str)
-                else next((record[k] for k in ("messages", "prompt", "text") if k in record), None)
-            )
-            if value is None:
-                raise FlexInferenceError(f"line {number} of {prompts_file} has no prompt, text or messages field")
-            prompts.append(value)
+            problem = prompt_record_problem(record)
+            if problem is not None:
+                raise FlexInferenceError(f"line {number} of {prompts_file} {problem}")
+            prompts.append(record if isinstance(record, str) else record[prompt_field(record)])
         if not prompts:
             raise FlexInferenceError(f"prompts file {prompts_file} holds no prompts")
     return [prompts[i % len(prompts)] for i in range(n_prompts)]
+
+
+def read_prompt_lines(path: str) -> list[str]:
+    """The lines of the prompts file at `path`, refused in one sentence when it cannot be read as text."""
+    if not os.path.exists(path):
+        raise FlexInferenceError(f"prompts file {path} does not exist")
+    if os.path.isdir(path):
+        raise FlexInferenceError(f"prompts file {path} is a folder: pass a JSONL or text file")
+    try:
+        return Path(path).read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as error:
+        raise FlexInferenceError(
+            f"prompts file {path} is not UTF-8 text (byte {error.start} is {error.object[error.start]:#x})"
+        )
+    except OSError as error:
+        raise FlexInferenceError(f"could not read prompts file {path}: {error.strerror or error}")
+
+
+PROMPT_FIELDS = ("messages", "prompt", "text")  # a JSONL record's prompt: the first of these it has
+
+
+def prompt_field(record: dict) -> str | None:
+    """The field of a JSONL record that holds its prompt; None when it has none."""
+    return next((field for field in PROMPT_FIELDS if field in record), None)
+
+
+def prompt_record_problem(record) -> str | None:
+    """What keeps a JSONL record from being a prompt, worded to follow "line N of FILE"; None when
+    it is one: a string, or an object whose prompt or text is a string, or whose messages are a
+    non-empty list of objects with a string role and a string content."""
+    if isinstance(record, str):
+        return None
+    if not isinstance(record, dict):
+        return f"is JSON but neither an object nor a string: {short_json(record)}"
+    field = prompt_field(record)
+    if field is None:
+        return "has no prompt, text or messages field"
+    value = record[field]
+    if field != "messages":
+        return None if isinstance(value, str) else f"has a {field} that is not a string: {short_json(value)}"
+    if not isinstance(value, list) or not value:
+        return (
+            'has messages that are not a non-empty list of {"role": ..., "content": ...} objects: '
+            f"{short_json(value)}"
+        )
+    for index, message in enumerate(value, 1):
+        if not isinstance(message, dict):
+            return f"has message {index} that is not an object with a role and a content: {short_json(message)}"
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                return f"has message {index} without a string {key}: {short_json(message)}"
+    return None
+
+
+def short_json(value, max_chars: int = 60) -> str:
+    """`value` as JSON, cut to `max_chars` for a one-sentence message."""
+    text = json.dumps(value)
+    return text if len(text) <= max_chars else text[: max_chars - 3] + "..."
 
 
 def format_prompt(tokenizer, prompt, chat_template: str) -> str:

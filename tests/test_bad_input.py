@@ -315,3 +315,61 @@ def test_help_says_what_each_default_means_for_no_skinny_gemms_fa4_prefill_and_n
     assert "(default: None)" not in fa4 and "default: auto" in fa4, fa4
     n_pages = flag_help("--n_pages N_PAGES", "--page_size")
     assert "(default: None)" not in n_pages and "default: auto" in n_pages and "on the CPU" in n_pages, n_pages
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. A prompts file line that is not a prompt
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "line, keyword",
+    [
+        ("42", "is JSON but neither an object nor a string: 42"),
+        ("[1, 2]", "is JSON but neither an object nor a string: [1, 2]"),
+        ("null", "is JSON but neither an object nor a string: null"),
+        ('{"prompt": 5}', "has a prompt that is not a string: 5"),
+        ('{"text": ["hi"]}', 'has a text that is not a string: ["hi"]'),
+        ('{"messages": "hello"}', 'has messages that are not a non-empty list of {"role": ..., "content": ...}'),
+        ('{"messages": []}', "has messages that are not a non-empty list"),
+        ('{"messages": ["hello"]}', 'has message 1 that is not an object with a role and a content: "hello"'),
+        ('{"messages": [{"role": "user"}]}', 'has message 1 without a string content: {"role": "user"}'),
+        (
+            '{"messages": [{"role": "system", "content": "x"}, {"content": "hi"}]}',
+            "has message 2 without a string role",
+        ),
+        ('{"messages": [{"role": 1, "content": "hi"}]}', "has message 1 without a string role"),
+        ('{"messages": [{"role": "user", "content": ["hi"]}]}', "has message 1 without a string content"),
+    ],
+)
+def test_prompts_file_line_that_is_not_a_prompt_exits_naming_the_file_and_line(tiny_dir, tmp_path, line, keyword):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "What is 2 + 2?"}\n' + line + "\n")
+    message = exit_message(qwen3_flex_inference, cli_argv(tiny_dir / "qwen3", "--prompts_file", str(prompts)))
+    assert_one_sentence(message, f"line 2 of {prompts} {keyword}")
+
+
+def test_prompts_file_lines_are_numbered_as_in_the_file_blank_lines_included(tiny_dir, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('\n{"prompt": "What is 2 + 2?"}\n\n   \n{"prompt": \n')
+    message = exit_message(qwen3_flex_inference, cli_argv(tiny_dir / "qwen3", "--prompts_file", str(prompts)))
+    assert_one_sentence(message, f"line 5 of {prompts} is not valid JSON")
+
+
+def test_prompts_file_that_is_a_folder_or_not_text_exits_saying_so(tiny_dir, tmp_path):
+    message = exit_message(qwen3_flex_inference, cli_argv(tiny_dir / "qwen3", "--prompts_file", str(tmp_path)))
+    assert_one_sentence(message, f"prompts file {tmp_path} is a folder")
+    binary = tmp_path / "prompts.txt"
+    binary.write_bytes(b"What is 2 + 2?\n\xff\xfe\x00\x01")
+    message = exit_message(qwen3_flex_inference, cli_argv(tiny_dir / "qwen3", "--prompts_file", str(binary)))
+    assert_one_sentence(message, f"prompts file {binary} is not UTF-8 text (byte 15 is 0xff)")
+
+
+def test_prompts_file_records_of_each_accepted_form_are_still_read(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    turns = [{"role": "system", "content": ""}, {"role": "user", "content": "a turn", "name": "extra keys pass"}]
+    records = ["a bare string", {"prompt": "a prompt", "text": "unused"}, {"text": "a text"}, {"messages": turns}]
+    prompts.write_text("\n".join(json.dumps(record) for record in records) + "\n")
+    got = qwen3_flex_inference.read_prompts(str(prompts), 5)
+    want = ["a bare string", "a prompt", "a text", turns, "a bare string"]
+    assert got == want, f"{got=} {want=}"
