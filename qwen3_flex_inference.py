@@ -3511,9 +3511,15 @@ PRESETS_DIR = Path(__file__).resolve().parent / "scripts" / "presets"
 def check_model_path(model_name: str) -> None:
     """A local-looking path that does not exist fails here rather than as a hub lookup, and so does a
     hub id that is not in the Hugging Face cache while the hub cannot be reached (transformers would
-    retry for over a minute before failing)."""
-    if os.path.exists(os.path.expanduser(model_name)):
+    retry for over a minute before failing). A local folder must hold config.json (check_model_folder)."""
+    path = os.path.expanduser(model_name)
+    if os.path.isdir(path):
+        check_model_folder(model_name)
         return
+    if os.path.exists(path):
+        raise FlexInferenceError(
+            f"model path {model_name} is a file: pass the checkpoint folder that holds config.json"
+        )
     if model_name.startswith((".", "/", "~")) or model_name.count("/") != 1:
         raise FlexInferenceError(f"model path {model_name} does not exist: pass a checkpoint folder or a hub id")
     if is_in_hub_cache(model_name):
@@ -3524,6 +3530,42 @@ def check_model_path(model_name: str) -> None:
             f"{model_name} is not a local folder and not in the Hugging Face cache, and the hub cannot be reached "
             f"({reason}): pass a checkpoint folder, or download it where the hub is reachable"
         )
+
+
+def check_model_folder(model_name: str) -> None:
+    """Refuses a local folder without config.json in one sentence that says what it is instead: a
+    LoRA adapter (adapter_config.json; its base model named where the adapter records it), a folder
+    of model folders (one or two named), or neither."""
+    folder = Path(model_name).expanduser()
+    if (folder / "config.json").is_file():
+        return
+    if (folder / "adapter_config.json").is_file():
+        base_model = adapter_base_model(folder)
+        base = f"its base model {base_model}" if base_model else "the base model it was trained on"
+        raise FlexInferenceError(
+            f"{model_name} is a LoRA adapter, not a model: pass {base} as model_name and it as lora_adapter",
+            "model_name",
+            "lora_adapter",
+        )
+    models = sorted(child.name for child in folder.iterdir() if (child / "config.json").is_file())
+    if models:
+        such_as = " and ".join(os.path.join(model_name, name) for name in models[:2])
+        raise FlexInferenceError(
+            f"{model_name} has no config.json but holds model folders, such as {such_as}: pass one of them"
+        )
+    raise FlexInferenceError(
+        f"{model_name} has no config.json, so it is not a checkpoint folder: pass one that holds config.json "
+        "and the weights, or a hub id"
+    )
+
+
+def adapter_base_model(adapter_folder: Path) -> str | None:
+    """The base model a PEFT adapter folder records (base_model_name_or_path); None when it records none."""
+    try:
+        base_model = json.loads((adapter_folder / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):  # unreadable, not JSON, or not an object: no name to give
+        return None
+    return base_model if isinstance(base_model, str) and base_model else None
 
 
 def is_in_hub_cache(repo_id: str) -> bool:
@@ -3831,11 +3873,25 @@ def check_adapter_weights_fit(model: nn.Module, weights: dict[str, torch.Tensor]
             )
 
 
+def check_adapter_folder(adapter_path: str) -> None:
+    """Refuses, in one sentence, an adapter path that is not a folder holding adapter_config.json."""
+    if not os.path.isdir(adapter_path):
+        if os.path.exists(adapter_path):
+            raise FlexInferenceError(f"LoRA adapter path {adapter_path} is a file: pass the adapter's folder")
+        raise FlexInferenceError(f"LoRA adapter folder {adapter_path} does not exist")
+    if not os.path.isfile(os.path.join(adapter_path, "adapter_config.json")):
+        if os.path.isfile(os.path.join(adapter_path, "config.json")):
+            raise FlexInferenceError(
+                f"{adapter_path} is a model, not a LoRA adapter (it has config.json but no adapter_config.json): "
+                "pass the folder PEFT's save_pretrained wrote the adapter to"
+            )
+        raise FlexInferenceError(f"{adapter_path} has no adapter_config.json, so it is not a PEFT LoRA adapter folder")
+
+
 def load_lora(model: nn.Module, adapter_path: str, load_adapter=None) -> nn.Module:
     """`model` wrapped with the PEFT LoRA adapter at `adapter_path` (through `load_adapter`,
     default load_peft_adapter), in eval mode."""
-    if not os.path.isdir(adapter_path):
-        raise FlexInferenceError(f"LoRA adapter folder {adapter_path} does not exist")
+    check_adapter_folder(adapter_path)
     try:
         peft_model = (load_adapter or load_peft_adapter)(model, adapter_path)
     except FlexInferenceError:
@@ -4031,7 +4087,8 @@ def cli_message(error: FlexInferenceError, flags) -> str:
     message = str(error)
     for param in error.params:
         if param in flags:
-            message = re.sub(rf"(?<![\w-]){param}(?!\w)", "--" + param, message)
+            # NOTE: not inside a path the sentence names (runs/lora_adapter, model_name.json).
+            message = re.sub(rf"(?<![\w/.-]){param}(?![\w/-]|\.\w)", "--" + param, message)
     return message
 
 
@@ -4054,6 +4111,8 @@ def check_cli_args(args) -> None:
             raise FlexInferenceError(f"--{flag} must be at least 1, got {getattr(args, flag)}")
     if args.verify_no_drift and args.lora_adapter is None:
         raise FlexInferenceError("--verify_no_drift checks a LoRA refresh: pass --lora_adapter too")
+    if args.lora_adapter is not None:
+        check_adapter_folder(args.lora_adapter)
     check_engine_limits(args.max_batch_size, args.max_seq_length, args.n_pages, args.page_size, args.max_new_tokens)
 
 

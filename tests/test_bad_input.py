@@ -373,3 +373,95 @@ def test_prompts_file_records_of_each_accepted_form_are_still_read(tmp_path):
     got = qwen3_flex_inference.read_prompts(str(prompts), 5)
     want = ["a bare string", "a prompt", "a text", turns, "a bare string"]
     assert got == want, f"{got=} {want=}"
+
+
+# ---------------------------------------------------------------------------------------------
+# 8. A --model_name folder without config.json; a --lora_adapter that is not an adapter
+# ---------------------------------------------------------------------------------------------
+
+
+def copy_adapter(tiny_dir, folder, base_model_name_or_path):
+    shutil.copytree(tiny_dir / "qwen3" / "lora", folder)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(
+        json.dumps({**config, "base_model_name_or_path": base_model_name_or_path})
+    )
+    return folder
+
+
+@pytest.mark.parametrize("module", [qwen3_flex_inference, gemma4_flex_inference], ids=["qwen3", "gemma4"])
+def test_adapter_folder_as_model_name_exits_saying_to_pass_it_as_lora_adapter_beside_its_base_model(
+    tiny_dir, tmp_path, module
+):
+    # A folder named like the flag: the flag's name inside the path stays as it is.
+    adapter = copy_adapter(tiny_dir, tmp_path / "lora_adapter", "unsloth/Qwen3-4B-Base")
+    message = exit_message(module, cli_argv(adapter))
+    assert_one_sentence(
+        message,
+        f"{adapter} is a LoRA adapter, not a model",
+        "pass its base model unsloth/Qwen3-4B-Base as --model_name and it as --lora_adapter",
+    )
+
+
+@pytest.mark.parametrize("module", [qwen3_flex_inference, gemma4_flex_inference], ids=["qwen3", "gemma4"])
+def test_adapter_folder_that_names_no_base_model_as_model_name_exits_saying_to_pass_its_base_model(tiny_dir, module):
+    adapter = tiny_dir / "qwen3" / "lora"  # base_model_name_or_path null
+    message = exit_message(module, cli_argv(adapter))
+    assert_one_sentence(
+        message,
+        f"{adapter} is a LoRA adapter, not a model",
+        "pass the base model it was trained on as --model_name and it as --lora_adapter",
+    )
+
+
+@pytest.mark.parametrize("module", [qwen3_flex_inference, gemma4_flex_inference], ids=["qwen3", "gemma4"])
+def test_folder_of_model_folders_as_model_name_exits_naming_two_of_them(tiny_dir, module):
+    message = exit_message(module, cli_argv(tiny_dir))
+    assert_one_sentence(
+        message,
+        f"{tiny_dir} has no config.json but holds model folders, such as {tiny_dir / 'gemma4'} and "
+        f"{tiny_dir / 'gemma4_text'}: pass one of them",
+    )
+
+
+def test_folder_without_config_json_or_models_as_model_name_exits_saying_it_has_no_config_json(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    for argv in (cli_argv(tmp_path), cli_argv(tmp_path, "--load_format", "dummy")):
+        message = exit_message(qwen3_flex_inference, argv)
+        assert_one_sentence(message, f"{tmp_path} has no config.json, so it is not a checkpoint folder")
+
+
+def test_file_as_model_name_exits_saying_to_pass_its_folder(tiny_dir):
+    config = tiny_dir / "qwen3" / "config.json"
+    message = exit_message(qwen3_flex_inference, cli_argv(config))
+    assert_one_sentence(message, f"model path {config} is a file: pass the checkpoint folder that holds config.json")
+
+
+@pytest.mark.parametrize(
+    "adapter, keyword",
+    [
+        ("llama", "is a model, not a LoRA adapter (it has config.json but no adapter_config.json)"),
+        ("", "has no adapter_config.json, so it is not a PEFT LoRA adapter folder"),
+        ("qwen3/lora/adapter_config.json", "is a file: pass the adapter's folder"),
+    ],
+    ids=["model", "folder", "file"],
+)
+def test_lora_adapter_that_is_not_an_adapter_folder_exits_before_loading_saying_what_it_is(
+    tiny_dir, monkeypatch, adapter, keyword
+):
+    def load_qwen3_llama(*args, **kwargs):
+        raise AssertionError("the model was loaded before the adapter path was checked")
+
+    monkeypatch.setattr(qwen3_flex_inference, "load_qwen3_llama", load_qwen3_llama)
+    adapter = tiny_dir / adapter
+    message = exit_message(qwen3_flex_inference, cli_argv(tiny_dir / "qwen3", "--lora_adapter", str(adapter)))
+    assert_one_sentence(message, f"{adapter} {keyword}")
+
+
+def test_cli_message_writes_parameters_as_flags_but_leaves_paths_alone():
+    error = FlexInferenceError(
+        "pass runs/lora_adapter as lora_adapter, not ./model_name.json as model_name", "lora_adapter", "model_name"
+    )
+    got = qwen3_flex_inference.cli_message(error, {"lora_adapter": None, "model_name": None})
+    want = "pass runs/lora_adapter as --lora_adapter, not ./model_name.json as --model_name"
+    assert got == want, f"{got=} {want=}"
