@@ -4113,7 +4113,34 @@ def check_cli_args(args) -> None:
         raise FlexInferenceError("--verify_no_drift checks a LoRA refresh: pass --lora_adapter too")
     if args.lora_adapter is not None:
         check_adapter_folder(args.lora_adapter)
+    if args.stats_path is not None:
+        check_writable_file(args.stats_path, "--stats_path")
     check_engine_limits(args.max_batch_size, args.max_seq_length, args.n_pages, args.page_size, args.max_new_tokens)
+
+
+def check_writable_file(path: str, flag: str) -> None:
+    """Refuses, before any work, a `flag` file that could not be written once the work is done: a
+    folder, one under a file, or one where writing is not permitted (read-only file system included)."""
+    target = Path(path)
+    if target.is_dir():
+        raise FlexInferenceError(f"{flag} {path} is a folder: name a file, such as {os.path.join(path, 'stats.json')}")
+    folder = target.parent
+    while not folder.exists():  # the folders still to be created: the first that exists must take them
+        folder = folder.parent
+    if not folder.is_dir():
+        raise FlexInferenceError(f"{flag} {path} cannot be created: {folder} is a file, not a folder")
+    where = target if target.exists() else folder  # a file there is overwritten, a new one made in folder
+    if not os.access(where, os.W_OK):
+        raise FlexInferenceError(f"{flag} {path} cannot be written: {where} is read-only to this user")
+
+
+def write_stats(stats: dict, path: str) -> None:
+    """The run's stats as JSON at `path`, its folders created."""
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(stats, indent=2))
+    except OSError as error:
+        raise FlexInferenceError(f"could not write --stats_path {path}: {error.strerror or error}")
 
 
 def run_rounds(args, engine_class, load_model, default_chat_template: str, load_adapter) -> dict:
@@ -4261,8 +4288,7 @@ def run_rounds(args, engine_class, load_model, default_chat_template: str, load_
     if is_distributed:
         stats.update(world_size=world_size, ranks=ranks)
     if args.stats_path and rank == 0:
-        Path(args.stats_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.stats_path).write_text(json.dumps(stats, indent=2))
+        write_stats(stats, args.stats_path)
     if rank == 0:
         print_summary(stats, args, is_random=is_dummy or (Path(args.model_name) / RANDOM_WEIGHTS_MARKER).is_file())
     if drift is not None and not drift["passed"]:

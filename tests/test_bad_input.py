@@ -6,8 +6,10 @@ touches the network (the hub's reachability is patched, or offline mode set).
 """
 
 import json
+import os
 import shutil
 import socket
+from pathlib import Path
 
 import pytest
 import torch
@@ -380,6 +382,16 @@ def test_prompts_file_records_of_each_accepted_form_are_still_read(tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.fixture
+def loading_fails(monkeypatch):
+    """The Qwen3 CLI's loader raises: a test that exits through it checked its input too late."""
+
+    def load_qwen3_llama(*args, **kwargs):
+        raise AssertionError("the model was loaded before the input was checked")
+
+    monkeypatch.setattr(qwen3_flex_inference, "load_qwen3_llama", load_qwen3_llama)
+
+
 def copy_adapter(tiny_dir, folder, base_model_name_or_path):
     shutil.copytree(tiny_dir / "qwen3" / "lora", folder)
     config = json.loads((folder / "adapter_config.json").read_text())
@@ -447,12 +459,8 @@ def test_file_as_model_name_exits_saying_to_pass_its_folder(tiny_dir):
     ids=["model", "folder", "file"],
 )
 def test_lora_adapter_that_is_not_an_adapter_folder_exits_before_loading_saying_what_it_is(
-    tiny_dir, monkeypatch, adapter, keyword
+    tiny_dir, loading_fails, adapter, keyword
 ):
-    def load_qwen3_llama(*args, **kwargs):
-        raise AssertionError("the model was loaded before the adapter path was checked")
-
-    monkeypatch.setattr(qwen3_flex_inference, "load_qwen3_llama", load_qwen3_llama)
     adapter = tiny_dir / adapter
     message = exit_message(qwen3_flex_inference, cli_argv(tiny_dir / "qwen3", "--lora_adapter", str(adapter)))
     assert_one_sentence(message, f"{adapter} {keyword}")
@@ -465,3 +473,36 @@ def test_cli_message_writes_parameters_as_flags_but_leaves_paths_alone():
     got = qwen3_flex_inference.cli_message(error, {"lora_adapter": None, "model_name": None})
     want = "pass runs/lora_adapter as --lora_adapter, not ./model_name.json as --model_name"
     assert got == want, f"{got=} {want=}"
+
+
+# ---------------------------------------------------------------------------------------------
+# 9. A --stats_path that cannot be written, found before any work
+# ---------------------------------------------------------------------------------------------
+
+
+def test_stats_path_that_is_a_folder_exits_before_loading_saying_to_name_a_file(tiny_dir, tmp_path, loading_fails):
+    message = exit_message(qwen3_flex_inference, cli_argv(tiny_dir / "qwen3", "--stats_path", str(tmp_path)))
+    assert_one_sentence(message, f"--stats_path {tmp_path} is a folder: name a file, such as {tmp_path / 'stats.json'}")
+
+
+def test_stats_path_under_a_file_exits_before_loading_saying_it_cannot_be_created(tiny_dir, tmp_path, loading_fails):
+    (tmp_path / "runs").write_text("a file where a folder would go")
+    stats_path = tmp_path / "runs" / "today" / "stats.json"
+    message = exit_message(qwen3_flex_inference, cli_argv(tiny_dir / "qwen3", "--stats_path", str(stats_path)))
+    assert_one_sentence(message, f"--stats_path {stats_path} cannot be created: {tmp_path / 'runs'} is a file")
+
+
+def test_stats_path_in_a_read_only_folder_exits_before_loading(tiny_dir, tmp_path, loading_fails, monkeypatch):
+    folder = tmp_path / "read_only"
+    folder.mkdir(mode=0o555)
+    if os.geteuid() == 0:  # root may write anywhere: access() answers as it would for another user
+        access = os.access
+        monkeypatch.setattr(os, "access", lambda path, mode: access(path, mode) and Path(path) != folder)
+    stats_path = folder / "new" / "stats.json"
+    message = exit_message(qwen3_flex_inference, cli_argv(tiny_dir / "qwen3", "--stats_path", str(stats_path)))
+    assert_one_sentence(message, f"--stats_path {stats_path} cannot be written: {folder} is read-only to this user")
+
+
+def test_stats_that_cannot_be_written_after_the_run_raise_one_sentence(tmp_path):
+    with pytest.raises(FlexInferenceError, match=f"could not write --stats_path {tmp_path}: Is a directory"):
+        qwen3_flex_inference.write_stats({"n_prompts": 1}, str(tmp_path))
