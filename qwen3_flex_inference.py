@@ -3644,6 +3644,7 @@ def load_causal_lm(
     seed: int = 0,
     model_class=None,
     config_hook=None,
+    say=None,
 ) -> nn.Module:
     """Loads a causal LM (eager attention) on `device`, in eval mode.
 
@@ -3653,6 +3654,8 @@ def load_causal_lm(
     `dtype` as the compute dtype (lm_head and the embeddings, tied or not, stay in `dtype`); a
     checkpoint that is bitsandbytes 4-bit already loads as it is, with or without it.
     `config_hook` maps the config before a dummy build (e.g. to a multimodal config's text part).
+    `say`, when given, is called with one line before a dummy build saying what it builds (a large
+    build takes minutes on a CPU).
     """
     from transformers import AutoModelForCausalLM
 
@@ -3661,6 +3664,8 @@ def load_causal_lm(
         config = load_config(path, trust_remote_code)
         if config_hook is not None:
             config = config_hook(config)
+        if say is not None:
+            say(dummy_build_line(path, config, dtype, device))
         torch.manual_seed(seed)
         with torch.device(device), explain_out_of_memory(path, config, AutoModelForCausalLM, dtype, device, False):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
@@ -3695,6 +3700,20 @@ def load_causal_lm(
             model = model.to(device)
     fit_bnb_cpu_kernels(model)
     return model.eval()
+
+
+def dummy_build_line(path: str, config, dtype: torch.dtype, device: torch.device) -> str:
+    """What a dummy build of `config` makes, in one line: its parameter count and their size at `dtype`."""
+    from transformers import AutoModelForCausalLM
+
+    as_dtype = f"as {str(dtype).removeprefix('torch.')}"
+    num_params = count_parameters(path, config, AutoModelForCausalLM)
+    if num_params is not None:
+        num_bytes = num_params * dtype.itemsize
+        count = f"{num_params / 1e9:.3g}B" if num_params >= 1e8 else f"{num_params / 1e6:.3g}M"
+        size = f"{num_bytes / 1e9:.3g} GB" if num_bytes >= 1e8 else f"{num_bytes / 1e6:.3g} MB"
+        as_dtype = f"{count} parameters, {size} {as_dtype}"
+    return f"building {path}'s architecture with random weights ({as_dtype}) on {device}"
 
 
 def device_map_of(device: torch.device) -> dict:
@@ -4169,7 +4188,9 @@ def run_rounds(args, engine_class, load_model, default_chat_template: str, load_
     quiet_libraries(args.quiet)
 
     start = time.perf_counter()
-    model = load_model(args.model_name, dtype, device, **flags_of(args, LOADER_FLAGS))
+    model = load_model(
+        args.model_name, dtype, device, say=lambda line: _say(args, line), **flags_of(args, LOADER_FLAGS)
+    )
     # Dummy weights take a tokenizer only from a local folder: a preset needs no network.
     is_dummy = args.load_format == "dummy"
     tokenizer = None

@@ -506,3 +506,36 @@ def test_stats_path_in_a_read_only_folder_exits_before_loading(tiny_dir, tmp_pat
 def test_stats_that_cannot_be_written_after_the_run_raise_one_sentence(tmp_path):
     with pytest.raises(FlexInferenceError, match=f"could not write --stats_path {tmp_path}: Is a directory"):
         qwen3_flex_inference.write_stats({"n_prompts": 1}, str(tmp_path))
+
+
+# ---------------------------------------------------------------------------------------------
+# 10. A dummy build that takes minutes says what it builds first
+# ---------------------------------------------------------------------------------------------
+
+
+class BuildStarted(Exception):
+    """Raised where the random weights would be built."""
+
+
+def test_dummy_build_of_the_default_gemma4_says_its_size_before_building_unless_quiet(monkeypatch, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from_config = AutoModelForCausalLM.from_config
+
+    def build_only_on_meta(config, **kwargs):  # parameters are counted on the meta device, at no cost
+        if torch.get_default_device().type != "meta":
+            raise BuildStarted
+        return from_config(config, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_config", build_only_on_meta)
+    argv = [*LIMITS, "--load_format", "dummy"]
+    with pytest.raises(BuildStarted):
+        gemma4_flex_inference.main([arg for arg in argv if arg != "--quiet"])
+    err = capsys.readouterr().err
+    # The E2B preset's text model: 4.63B parameters (its per-layer embeddings included), 4 bytes each.
+    want = "building unsloth/gemma-4-E2B-it's architecture with random weights (4.63B parameters, 18.5 GB as float32)"
+    assert err.strip().splitlines() == [f"{want} on cpu"], err
+    with pytest.raises(BuildStarted):
+        gemma4_flex_inference.main(argv)
+    err = capsys.readouterr().err
+    assert err == "", err
