@@ -25,14 +25,23 @@ log-probs (`sampler_corrected`).
 
 import argparse
 import copy
+import importlib.util
 import json
 import re
+import shlex
 import sys
 import tempfile
 import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+
+if __name__ == "__main__" and importlib.util.find_spec("qwen3_flex_inference") is None:
+    # NOTE: run by path, the repository root (the engine modules, scripts.*) is not on sys.path
+    sys.exit(
+        f"run it from the repository root ({Path(__file__).resolve().parents[1]}) as: "
+        + shlex.join(["python", "-m", "scripts.grpo_trl", *sys.argv[1:]])
+    )
 
 import torch
 

@@ -1,11 +1,21 @@
 """scripts/grpo_trl.py's command line: bad flag values and combinations are refused in one sentence
-before anything is loaded, and --help shows every default."""
+before anything is loaded, --help shows every default; and every script of scripts/ run by path
+(`python scripts/x.py`) either runs or says in one sentence how to run it."""
 
 import argparse
+import ast
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 import scripts.grpo_trl as grpo_trl
+
+ROOT = Path(__file__).resolve().parents[1]
+REPO_MODULES = ("qwen3_flex_inference", "gemma4_flex_inference", "scripts")
 
 BAD_ARGS = {
     "no steps": (["--steps", "0"], "--steps must be at least 1, got 0"),
@@ -93,3 +103,48 @@ def test_help_shows_every_default():
     assert not unshown, f"{unshown=}"
     unsaid = [a.dest for a in flags if a.default is None and "default" not in a.help]  # an automatic default, said
     assert not unsaid, f"{unsaid=}"
+
+
+def repository_imports(path: Path) -> list[str]:
+    """The modules of the repository root (engine modules, scripts.*) that a file imports, lazily or not."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names.append(node.module)
+    return sorted({name for name in names if name.split(".")[0] in REPO_MODULES})
+
+
+SCRIPTS = sorted(
+    path.relative_to(ROOT).as_posix()
+    for path in [*ROOT.glob("scripts/*.py"), *ROOT.glob("scripts/benchmarks/*.py")]
+    if 'if __name__ == "__main__"' in path.read_text()
+)
+RUN_BY_PATH_IN_MAKEFILE = re.findall(r"\$\(PY\) (scripts/\S+\.py)", (ROOT / "Makefile").read_text())
+
+
+def run_by_path(script: str) -> subprocess.CompletedProcess:
+    """`python scripts/x.py --help` from the repository root, the root not on PYTHONPATH."""
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    return subprocess.run(
+        [sys.executable, script, "--help"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_script_run_by_path_runs_or_says_how_to_run_it(script):
+    imports = repository_imports(ROOT / script)
+    if script not in RUN_BY_PATH_IN_MAKEFILE and not imports:
+        return  # it imports nothing of the repository root: Python runs it by path as it is (no subprocess: light)
+    run = run_by_path(script)
+    if not imports:
+        assert run.returncode == 0 and "usage:" in run.stdout, f"{script=} {run.returncode=} {run.stderr[-2000:]=}"
+        return
+    module = script.removesuffix(".py").replace("/", ".")
+    want = f"run it from the repository root ({ROOT}) as: python -m {module} --help"
+    assert run.returncode != 0 and run.stderr.strip() == want, f"{script=} {imports=} {run.returncode=} {run.stderr=}"
+
+
+def test_the_makefiles_script_run_by_path_is_checked():
+    assert "scripts/make_tiny_checkpoints.py" in RUN_BY_PATH_IN_MAKEFILE, f"{RUN_BY_PATH_IN_MAKEFILE=}"
