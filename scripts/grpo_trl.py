@@ -25,22 +25,35 @@ log-probs (`sampler_corrected`).
 
 import argparse
 import copy
+import importlib.util
 import json
 import re
+import shlex
 import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+
+if __name__ == "__main__" and importlib.util.find_spec("qwen3_flex_inference") is None:
+    # NOTE: run by path, the repository root (the engine modules, scripts.*) is not on sys.path
+    sys.exit(
+        f"run it from the repository root ({Path(__file__).resolve().parents[1]}) as: "
+        + shlex.join(["python", "-m", "scripts.grpo_trl", *sys.argv[1:]])
+    )
 
 import torch
 
 from qwen3_flex_inference import (
     FlexInference,
     FlexInferenceError,
+    HelpFormatter,
+    cli_message,
     demo_prompts,
     load_config,
     load_qwen3_llama,
+    load_tokenizer,
     make_trl_rollout_func,
     resolve_device_and_dtype,
 )
@@ -50,7 +63,7 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--model_name", default=None, help="hub id or checkpoint folder (default: the trained CI Qwen3)")
     p.add_argument(
         "--load_format",
@@ -76,16 +89,23 @@ def build_arg_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--steps", type=int, default=3, help="GRPO optimizer steps")
     p.add_argument("--num_prompts", type=int, default=2, help="prompts per step")
-    p.add_argument("--num_generations", type=int, default=4, help="completions per prompt (GRPO's group size)")
+    p.add_argument(
+        "--num_generations", type=int, default=4, help="completions per prompt (GRPO's group size, at least 2)"
+    )
     p.add_argument("--max_completion_length", type=int, default=64, help="most new tokens per completion")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (TRL's GRPOConfig)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (TRL's GRPOConfig), above 0")
     p.add_argument("--learning_rate", type=float, default=1e-4, help="the adapter's learning rate")
     p.add_argument("--lora_r", type=int, default=16, help="LoRA rank (alpha = 2 * rank)")
-    p.add_argument("--max_seq_length", type=int, default=1024, help="engine: longest prompt + completion")
+    p.add_argument(
+        "--max_seq_length",
+        type=int,
+        default=1024,
+        help="engine: longest prompt + completion, a multiple of the page size (16 on the CPU, 128 on CUDA)",
+    )
     p.add_argument("--capture_cudagraph", action="store_true", help="engine: CUDA-graph decode (CUDA only)")
     p.add_argument("--compile_decode", action="store_true", help="engine: torch.compile the decode step")
     p.add_argument("--fuse_projections", action="store_true", help="engine: one GEMM for q/k/v and for gate/up")
-    p.add_argument("--seed", type=int, default=0, help="TRL's seed (data order, adapter init)")
+    p.add_argument("--seed", type=int, default=0, help="TRL's seed (data order, adapter init), in [0, 2**32)")
     p.add_argument(
         "--compare_logprobs",
         action="store_true",
@@ -97,8 +117,68 @@ def build_arg_parser() -> argparse.ArgumentParser:
         help="engine: TRL's importance-sampling correction on the engine's log-probs (sampler_corrected)",
     )
     p.add_argument("--stdlib", type=Path, default=None, help="python task: the corpus's root (default: this Python's)")
-    p.add_argument("--out", default=None, help="a JSON file for the metrics of every step")
+    p.add_argument("--out", default=None, help="a JSON file for the metrics of every step (default: none)")
     return p
+
+
+# The flags that only the engine's rollouts use; --backend hf refuses them rather than ignore them.
+ENGINE_ONLY_FLAGS = (
+    "capture_cudagraph",
+    "compile_decode",
+    "fuse_projections",
+    "compare_logprobs",
+    "sampler_correction",
+)
+
+
+def check_args(args) -> None:
+    """Flag values and combinations the script refuses, each in one sentence, before anything is loaded."""
+    least = dict(steps=1, num_prompts=1, num_generations=2, max_completion_length=1, lora_r=1, max_seq_length=1)
+    for flag, value in least.items():
+        if getattr(args, flag) < value:
+            why = " (GRPO's advantages compare the completions of one prompt)" if flag == "num_generations" else ""
+            raise FlexInferenceError(f"--{flag} must be at least {value}{why}, got {getattr(args, flag)}")
+    for flag in ("learning_rate", "temperature"):
+        if not getattr(args, flag) > 0:  # NaN too
+            raise FlexInferenceError(f"--{flag} must be greater than 0, got {getattr(args, flag)}")
+    if not 0 <= args.seed < 2**32:  # numpy's seed range (transformers' set_seed)
+        raise FlexInferenceError(f"--seed must be in [0, 2**32), got {args.seed}")
+    if args.load_format == "dummy" and args.tokenizer is None:
+        raise FlexInferenceError("--load_format dummy has no tokenizer: name one with --tokenizer")
+    if args.stdlib is not None and not args.stdlib.is_dir():
+        raise FlexInferenceError(f"--stdlib {args.stdlib} is not a folder: name the standard library's root")
+    if args.out is not None and (Path(args.out).is_dir() or not Path(args.out).parent.is_dir()):
+        raise FlexInferenceError(f"--out {args.out} is not a file in an existing folder: name one")
+    device, _ = resolve_device_and_dtype(args.device, args.dtype)
+    if args.backend == "hf":
+        for flag in ENGINE_ONLY_FLAGS:
+            if getattr(args, flag):
+                raise FlexInferenceError(f"--{flag} acts on the engine's rollouts: use it with --backend engine")
+        return
+    if args.capture_cudagraph and device.type != "cuda":
+        raise FlexInferenceError("--capture_cudagraph needs a CUDA device")
+    if args.max_seq_length % engine_page_size(device):
+        raise FlexInferenceError(
+            f"--max_seq_length ({args.max_seq_length}) must be a multiple of the engine's page size on "
+            f"{device.type} ({engine_page_size(device)})"
+        )
+    if args.max_completion_length >= args.max_seq_length:
+        raise FlexInferenceError(
+            f"--max_completion_length ({args.max_completion_length}) leaves no room for a prompt in "
+            f"--max_seq_length ({args.max_seq_length}): raise --max_seq_length"
+        )
+
+
+def engine_page_size(device: torch.device) -> int:
+    """The engine's KV page size: 16 tokens on the CPU, 128 on CUDA."""
+    return 16 if device.type == "cpu" else 128
+
+
+def task_prompts_and_reward(task: str, stdlib: Path | None) -> tuple[list[list[dict]], Callable]:
+    """The task's prompts (chats of one user turn) and its reward function."""
+    if task == "python":
+        return python_prompts(stdlib), parses_as_python
+    return [[{"role": "user", "content": text}] for text in demo_prompts()], digit_reward
 
 
 def completion_texts(completions) -> list[str]:
@@ -254,22 +334,19 @@ class LogprobComparison:
 def run(args) -> None:
     from datasets import Dataset
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoTokenizer, PrinterCallback, TrainerCallback
+    from transformers import PrinterCallback, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     start = time.perf_counter()  # the steps' wall_s counts from here: loading and the engine's start-up included
-    model_name = args.model_name or str(ensure_trained_checkpoints() / "qwen3")
-    if args.load_format == "dummy" and args.tokenizer is None:
-        raise FlexInferenceError("--load_format dummy has no tokenizer: name one with --tokenizer", "tokenizer")
-    if args.compare_logprobs and args.backend != "engine":
-        raise FlexInferenceError("--compare_logprobs compares the engine's log-probs: use it with --backend engine")
-    if args.sampler_correction and args.backend != "engine":
+    prompts, reward = task_prompts_and_reward(args.task, args.stdlib)
+    if len(prompts) < args.num_prompts:  # NOTE: TRL drops a short batch: 0 steps, exit 0, one logged warning
         raise FlexInferenceError(
-            "--sampler_correction corrects for the engine's log-probs: use it with --backend engine"
+            f"--num_prompts {args.num_prompts} is more than the {args.task} task's {len(prompts)} prompts: lower it"
         )
+    model_name = args.model_name or str(ensure_trained_checkpoints() / "qwen3")
     device, dtype = resolve_device_and_dtype(args.device, args.dtype)
     is_gemma = load_config(model_name, use_preset=args.load_format == "dummy").model_type.startswith("gemma4")
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_name)
+    tokenizer = load_tokenizer(args.tokenizer or model_name)
     model = load_model(model_name, is_gemma, dtype, device, args.load_format)
     model.set_attn_implementation("sdpa")  # the trainer's forward passes (and TRL's generate) on SDPA
     lora = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
@@ -286,7 +363,7 @@ def run(args) -> None:
             max_batch_size=args.num_prompts * args.num_generations,
             max_seq_length=args.max_seq_length,
             n_pages=None,
-            page_size=16 if device.type == "cpu" else 128,
+            page_size=engine_page_size(device),
             peft_model=policy,
             base_model=policy,  # the trainer's frozen base is the pristine copy: nothing is copied
             compile_decode=args.compile_decode,
@@ -297,10 +374,6 @@ def run(args) -> None:
             rollout_func = LogprobComparison(rollout_func)
     print(f"loaded {model_name} ({args.backend} rollouts, {dtype}, {device}) in {time.perf_counter() - start:.1f} s")
 
-    if args.task == "python":
-        prompts, reward = python_prompts(args.stdlib), parses_as_python
-    else:
-        prompts, reward = [[{"role": "user", "content": text}] for text in demo_prompts()], digit_reward
     output_dir = tempfile.TemporaryDirectory(prefix="grpo_trl_")  # TRL's; it saves nothing here (save_strategy "no")
     config = GRPOConfig(
         output_dir=output_dir.name,
@@ -382,9 +455,10 @@ def main(argv=None) -> None:
     args = build_arg_parser().parse_args(argv)
     warnings.filterwarnings("ignore", message=".*rollout_func.*experimental")  # TRL's note on rollout_func
     try:
+        check_args(args)
         run(args)
     except FlexInferenceError as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {cli_message(error, vars(args))}", file=sys.stderr)
         raise SystemExit(1)
 
 

@@ -6,7 +6,17 @@ held-out standard-library functions from their headers. Extra arguments go to ge
     python -m scripts.run_main [ARGS]   # from the repository root
 """
 
+import importlib.util
+import shlex
 import sys
+from pathlib import Path
+
+if __name__ == "__main__" and importlib.util.find_spec("qwen3_flex_inference") is None:
+    # NOTE: run by path, the repository root (the engine modules, scripts.*) is not on sys.path
+    sys.exit(
+        f"run it from the repository root ({Path(__file__).resolve().parents[1]}) as: "
+        + shlex.join(["python", "-m", "scripts.run_main", *sys.argv[1:]])
+    )
 
 REAL_MODEL = "unsloth/gemma-4-E2B-it"
 

@@ -35,15 +35,24 @@ import contextlib
 import copy
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import math
 import random
+import shlex
 import shutil
 import sys
 import sysconfig
 import textwrap
 import time
 from pathlib import Path
+
+if __name__ == "__main__" and importlib.util.find_spec("qwen3_flex_inference") is None:
+    # NOTE: run by path, the repository root (the engine modules, scripts.*) is not on sys.path
+    sys.exit(
+        f"run it from the repository root ({Path(__file__).resolve().parents[1]}) as: "
+        + shlex.join(["python", "-m", "scripts.train_checkpoints", *sys.argv[1:]])
+    )
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 COMMITTED_DIR = REPO_ROOT / "scripts" / "trained_checkpoints"

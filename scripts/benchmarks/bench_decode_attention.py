@@ -17,8 +17,18 @@ stages) at the engine's split count.
 """
 
 import argparse
+import importlib.util
 import json
+import shlex
 import sys
+from pathlib import Path
+
+if __name__ == "__main__" and importlib.util.find_spec("qwen3_flex_inference") is None:
+    # NOTE: run by path, the repository root (the engine modules, scripts.*) is not on sys.path
+    sys.exit(
+        f"run it from the repository root ({Path(__file__).resolve().parents[2]}) as: "
+        + shlex.join(["python", "-m", "scripts.benchmarks.bench_decode_attention", *sys.argv[1:]])
+    )
 
 import torch
 

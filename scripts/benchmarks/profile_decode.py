@@ -5,10 +5,19 @@ by kernel class and top kernels, and the replay time of the batch's CUDA graph (
 """
 
 import argparse
+import importlib.util
 import json
+import shlex
 import sys
 import time
 from pathlib import Path
+
+if __name__ == "__main__" and importlib.util.find_spec("qwen3_flex_inference") is None:
+    # NOTE: run by path, the repository root (the engine modules, scripts.*) is not on sys.path
+    sys.exit(
+        f"run it from the repository root ({Path(__file__).resolve().parents[2]}) as: "
+        + shlex.join(["python", "-m", "scripts.benchmarks.profile_decode", *sys.argv[1:]])
+    )
 
 import torch
 

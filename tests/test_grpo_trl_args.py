@@ -1,0 +1,150 @@
+"""scripts/grpo_trl.py's command line: bad flag values and combinations are refused in one sentence
+before anything is loaded, --help shows every default; and every script of scripts/ run by path
+(`python scripts/x.py`) either runs or says in one sentence how to run it."""
+
+import argparse
+import ast
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import scripts.grpo_trl as grpo_trl
+
+ROOT = Path(__file__).resolve().parents[1]
+REPO_MODULES = ("qwen3_flex_inference", "gemma4_flex_inference", "scripts")
+
+BAD_ARGS = {
+    "no steps": (["--steps", "0"], "--steps must be at least 1, got 0"),
+    "no prompts": (["--num_prompts", "0"], "--num_prompts must be at least 1, got 0"),
+    "one generation": (["--num_generations", "1"], "--num_generations must be at least 2"),
+    "no completion": (["--max_completion_length", "0"], "--max_completion_length must be at least 1, got 0"),
+    "no rank": (["--lora_r", "0"], "--lora_r must be at least 1, got 0"),
+    "no sequence": (["--max_seq_length", "0"], "--max_seq_length must be at least 1, got 0"),
+    "zero learning rate": (["--learning_rate", "0"], "--learning_rate must be greater than 0, got 0.0"),
+    "negative learning rate": (["--learning_rate=-1e-4"], "--learning_rate must be greater than 0, got -0.0001"),
+    "zero temperature": (["--temperature", "0"], "--temperature must be greater than 0, got 0.0"),
+    "negative seed": (["--seed", "-1"], "--seed must be in [0, 2**32), got -1"),
+    "seed beyond numpy's": (["--seed", str(2**32)], f"--seed must be in [0, 2**32), got {2**32}"),
+    "dummy without tokenizer": (["--load_format", "dummy"], "--load_format dummy has no tokenizer"),
+    "missing stdlib": (["--stdlib", "/no/such/folder"], "--stdlib /no/such/folder is not a folder"),
+    "out in a missing folder": (["--out", "/no/such/folder/m.json"], "--out /no/such/folder/m.json is not a file"),
+    "out is a folder": (["--out", "."], "--out . is not a file"),
+    "hf with an engine flag": (["--backend", "hf", "--compile_decode"], "--compile_decode acts on the engine's"),
+    "hf comparing log-probs": (["--backend", "hf", "--compare_logprobs"], "--compare_logprobs acts on the engine's"),
+    "cudagraph on the cpu": (["--device", "cpu", "--capture_cudagraph"], "--capture_cudagraph needs a CUDA device"),
+    "sequence off the page size": (
+        ["--device", "cpu", "--max_seq_length", "1000"],
+        "--max_seq_length (1000) must be a multiple of the engine's page size on cpu (16)",
+    ),
+    "completion as long as the sequence": (
+        ["--device", "cpu", "--max_seq_length", "64", "--max_completion_length", "64"],
+        "--max_completion_length (64) leaves no room for a prompt in --max_seq_length (64)",
+    ),
+}
+
+
+@pytest.fixture
+def refuses_to_load(monkeypatch):
+    """Makes loading a checkpoint fail the test: bad arguments must be refused before it."""
+
+    def load(*args, **kwargs):
+        raise AssertionError(f"grpo_trl loaded {args} before refusing its arguments")
+
+    for name in ("ensure_trained_checkpoints", "load_config", "load_model"):
+        monkeypatch.setattr(grpo_trl, name, load)
+
+
+def refusal(argv: list[str], capsys) -> str:
+    """grpo_trl's main on `argv`: the one line it writes to stderr before exiting non-zero."""
+    with pytest.raises(SystemExit) as exit_info:
+        grpo_trl.main(argv)
+    stderr = capsys.readouterr().err
+    assert exit_info.value.code not in (0, None), f"{argv=} {exit_info.value.code=} {stderr=}"
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, f"{argv=} {stderr=}"
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv, message", BAD_ARGS.values(), ids=BAD_ARGS.keys())
+def test_bad_flag_is_refused_in_one_sentence_before_loading(argv, message, refuses_to_load, capsys):
+    line = refusal(argv, capsys)
+    assert message in line, f"{argv=} {line=} {message=}"
+
+
+def test_more_prompts_than_the_task_has_are_refused_before_loading(refuses_to_load, capsys):
+    pytest.importorskip("trl", reason="requirements.txt installs trl on Python >= 3.11 only")
+    num_prompts = len(grpo_trl.demo_prompts()) + 1  # TRL would drop the short batch and train no step
+    line = refusal(["--task", "digits", "--device", "cpu", "--num_prompts", str(num_prompts)], capsys)
+    assert f"--num_prompts {num_prompts} is more than the digits task's {num_prompts - 1} prompts" in line, f"{line=}"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["--backend", "hf"],
+        ["--device", "cpu", "--num_prompts", "8", "--num_generations", "8", "--max_completion_length", "48"],
+        ["--load_format", "dummy", "--tokenizer", "t", "--device", "cpu", "--max_seq_length", "128", "--out", "m.json"],
+    ],
+)
+def test_good_flags_pass_the_checks(argv):
+    grpo_trl.check_args(grpo_trl.build_arg_parser().parse_args(argv))
+
+
+def test_help_shows_every_default():
+    parser = grpo_trl.build_arg_parser()
+    text = " ".join(parser.format_help().split())  # unwrapped
+    flags = [action for action in parser._actions if action.option_strings and action.default != argparse.SUPPRESS]
+    unshown = [a.dest for a in flags if a.default is not None and f"(default: {a.default})" not in text]
+    assert not unshown, f"{unshown=}"
+    unsaid = [a.dest for a in flags if a.default is None and "default" not in a.help]  # an automatic default, said
+    assert not unsaid, f"{unsaid=}"
+
+
+def repository_imports(path: Path) -> list[str]:
+    """The modules of the repository root (engine modules, scripts.*) that a file imports, lazily or not."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names.append(node.module)
+    return sorted({name for name in names if name.split(".")[0] in REPO_MODULES})
+
+
+SCRIPTS = sorted(
+    path.relative_to(ROOT).as_posix()
+    for path in [*ROOT.glob("scripts/*.py"), *ROOT.glob("scripts/benchmarks/*.py")]
+    if 'if __name__ == "__main__"' in path.read_text()
+)
+RUN_BY_PATH_IN_MAKEFILE = re.findall(r"\$\(PY\) (scripts/\S+\.py)", (ROOT / "Makefile").read_text())
+
+
+def run_by_path(script: str) -> subprocess.CompletedProcess:
+    """`python scripts/x.py --help` from the repository root, the root not on PYTHONPATH."""
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    return subprocess.run(
+        [sys.executable, script, "--help"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_script_run_by_path_runs_or_says_how_to_run_it(script):
+    imports = repository_imports(ROOT / script)
+    if script not in RUN_BY_PATH_IN_MAKEFILE and not imports:
+        return  # it imports nothing of the repository root: Python runs it by path as it is (no subprocess: light)
+    run = run_by_path(script)
+    if not imports:
+        assert run.returncode == 0 and "usage:" in run.stdout, f"{script=} {run.returncode=} {run.stderr[-2000:]=}"
+        return
+    module = script.removesuffix(".py").replace("/", ".")
+    want = f"run it from the repository root ({ROOT}) as: python -m {module} --help"
+    assert run.returncode != 0 and run.stderr.strip() == want, f"{script=} {imports=} {run.returncode=} {run.stderr=}"
+
+
+def test_the_makefiles_script_run_by_path_is_checked():
+    assert "scripts/make_tiny_checkpoints.py" in RUN_BY_PATH_IN_MAKEFILE, f"{RUN_BY_PATH_IN_MAKEFILE=}"
