@@ -96,7 +96,7 @@ class SamplingParams:
 
     temperature 0 is greedy (HF's argmax tokens); top_k 0, top_p 1.0 and min_p 0.0 are off; the
     filters apply as HF's do: logits / temperature, then top-k, top-p, min-p. `seed` fixes the
-    draws (None: one from the engine's seed); `n` completions per prompt (`FlexInference.rollouts`);
+    draws (None: the engine's seed and its index in the run); `n` completions per prompt (`FlexInference.rollouts`);
     `max_new_tokens` None takes the engine's; `stop_token_ids` add to the model's end ids, which
     `ignore_eos` ignores; `logprobs` records log_softmax(logits / temperature) at each chosen token,
     over the whole vocabulary before any filtering (at temperature 0, log_softmax(logits)): the
@@ -164,7 +164,7 @@ class Sequence:
     output_logits: list = field(default_factory=list)
     batch_idx: int = -1  # batch slot while it holds pages, -1 otherwise
     num_preemptions: int = 0
-    seed: int = 0  # the seed of this run's draws (sampling.seed, or one from the engine's)
+    seed: int = 0  # the seed of this run's draws (sampling.seed, or the run's base seed + its index)
     shares_prompt_with: Sequence | None = None  # rollouts: the group's first completion, prefilled for all
     end_ids: frozenset = frozenset()  # the token ids that finish it in this run
 
@@ -279,8 +279,15 @@ class FlexInference:
             self.refresh_lora()
 
     def prepare(self, sequences: list[Sequence]) -> None:
-        """Tokenizes and checks every sequence, and clears its output: bad input fails here, before any work."""
-        for seq in sequences:
+        """Tokenizes and checks every sequence, clears its output and sets its seed: bad input fails
+        here, before any work.
+
+        Each call takes one base seed s from the engine's seeds; sequences[i] without a seed of its
+        own draws with s + i. Seeds follow the index in the whole run, so a run split across ranks
+        (`generate(..., shard=)`) draws what one process would, and no two ranks draw alike.
+        """
+        base_seed = self.seeds.getrandbits(61)  # + an index stays below SamplingParams' 2**62
+        for i, seq in enumerate(sequences):
             if seq.input_ids is None:
                 if seq.text is None:
                     raise FlexInferenceError("a Sequence needs text or input_ids")
@@ -307,7 +314,7 @@ class FlexInference:
                 raise FlexInferenceError(
                     f"max_new_tokens must be at least 1, got {seq.max_new_tokens}", "max_new_tokens"
                 )
-            seq.seed = params.seed if params.seed is not None else self.seeds.getrandbits(62)
+            seq.seed = params.seed if params.seed is not None else base_seed + i
             seq.end_ids = frozenset(params.stop_token_ids) | (
                 frozenset() if params.ignore_eos else frozenset(self.end_ids)
             )
@@ -316,11 +323,21 @@ class FlexInference:
 
     @torch.inference_mode()
     def generate(
-        self, sequences: list[Sequence], capture_cudagraph: bool = False, progress: bool = False
+        self,
+        sequences: list[Sequence],
+        capture_cudagraph: bool = False,
+        progress: bool = False,
+        shard: slice | None = None,
     ) -> list[Sequence]:
         """Decodes every sequence to an end id or its max_new_tokens (greedy, or as its `sampling`
-        says); returns them in input order, the same objects, filled in."""
+        says); returns them in input order, the same objects, filled in.
+
+        `shard` (data parallel, `generate_shard`): every sequence is prepared (checked, seeded by its
+        index in `sequences`), only sequences[shard] are generated, and that block is returned.
+        """
         self.prepare(sequences)
+        if shard is not None:
+            sequences = sequences[shard]
         with compile_settings():
             if capture_cudagraph:
                 # every mode a step can take: a step's mode is the most demanding of its rows'
@@ -3165,15 +3182,16 @@ def shard_slice(num_items: int, rank: int, world_size: int) -> slice:
 
 def generate_shard(engine: FlexInference, sequences: list[Sequence], group=None, **generate_kwargs) -> list[Sequence]:
     """Generates this rank's shard_slice of `sequences` and returns that block (every sequence
-    without a process group). Every rank of `group` (None: the default group) passes the same list;
-    each checks and tokenizes all of it, then generates its own block."""
+    without a process group). Every rank of `group` (None: the default group) passes the same list
+    and an engine of the same seed; each checks, tokenizes and seeds all of it once (a sequence
+    without a seed draws by its index in the whole list), then generates its own block: the tokens
+    are one process's, whatever the number of ranks."""
     if not is_data_parallel():
         return engine.generate(sequences, **generate_kwargs)
     # NOTE: every rank checks every sequence, so bad input fails on all ranks alike instead of on
     # one, which would leave the others waiting in the gather until the process group times out.
-    engine.prepare(sequences)
-    shard = sequences[shard_slice(len(sequences), dist.get_rank(group), dist.get_world_size(group))]
-    return engine.generate(shard, **generate_kwargs)
+    shard = shard_slice(len(sequences), dist.get_rank(group), dist.get_world_size(group))
+    return engine.generate(sequences, shard=shard, **generate_kwargs)
 
 
 def gather_outputs(sequences: list[Sequence], group=None) -> list[Sequence]:
@@ -3200,7 +3218,8 @@ def gather_outputs(sequences: list[Sequence], group=None) -> list[Sequence]:
 def generate_sharded(engine: FlexInference, sequences: list[Sequence], group=None, **generate_kwargs) -> list[Sequence]:
     """Data-parallel `engine.generate`: every rank of `group` (None: the default group) passes the
     same `sequences` and its own engine, generates a contiguous block of them, and gets all of them
-    back filled in, in input order. `generate_kwargs` go to `engine.generate`. Without a process
+    back filled in, in input order: the tokens of `engine.generate(sequences)` in one process, seeds
+    included (`generate_shard`). `generate_kwargs` go to `engine.generate`. Without a process
     group this is `engine.generate(sequences)`."""
     generate_shard(engine, sequences, group, **generate_kwargs)
     return gather_outputs(sequences, group)
