@@ -1020,7 +1020,7 @@ def kv_pool_pages(
     for heads in kv_heads:
         if heads is not None:
             regime, num_kv_heads, head_dim = heads
-            bytes_per_token[regime] += 2 * num_kv_heads * head_dim * dtype.itemsize
+            bytes_per_token[regime] += 2 * num_kv_heads * kernel_head_dim(head_dim, device) * dtype.itemsize
 
     def pool_bytes(n: int) -> int:
         return sum(
@@ -1652,22 +1652,17 @@ class PrefillLayerStep:
         """Writes k/v into the cache and the packed K/V (None: a KV-shared layer, which reads its
         store layer's), then flex-attends over the packed K/V.
 
-        q: [1, H, T, D]; k, v: [1, H_kv, T, D]; returns [1, H, T, D].
+        q: [1, H, T, D]; k, v: [1, H_kv, T, D]; returns [1, H, T, D]. The packed K/V is kept at the
+        cache's head dim (`kernel_head_dim`), so the KV-shared layers read it padded already.
         """
         if k is not None:
+            padded_head_dim = self.cache.k_cache.shape[-1]
+            k, v = pad_head_dim(k, padded_head_dim), pad_head_dim(v, padded_head_dim)
             self.cache.write(k, v, self.physical_slots)
             self.packed_kv.k, self.packed_kv.v = k, v
         k, v = self.packed_kv.k, self.packed_kv.v
-        mark_compile_shapes("packed", q, k, v)
-        return flex_attention_compiled(
-            q,
-            k,
-            v,
-            block_mask=self.block_mask,
-            scale=scale,
-            enable_gqa=q.shape[1] != k.shape[1],
-            kernel_options=self.kernel_options[q.shape[-1]].prefill,
-        )
+        options = self.kernel_options[q.shape[-1]].prefill
+        return flex_attention_padded(q, k, v, self.block_mask, scale, options, shape_role="packed")
 
 
 @dataclass
@@ -1735,7 +1730,9 @@ class PagedKVCache:
     """One attention layer's K/V pool, shared by all sequences through the page table."""
 
     def __init__(self, n_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype, device):
-        shape = (1, num_kv_heads, n_pages * page_size, head_dim)
+        # NOTE: stored at kernel_head_dim (on the CPU a multiple of 16, its NOTE), zero columns past
+        # head_dim, so decode never pads the cache.
+        shape = (1, num_kv_heads, n_pages * page_size, kernel_head_dim(head_dim, torch.device(device)))
         # k_cache, v_cache: [1, H_kv, n_pages * page_size, D]; row = physical_page * page_size + offset
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
@@ -1747,7 +1744,9 @@ class PagedKVCache:
         return 2 * num_kv_heads * head_dim * self.k_cache.element_size()
 
     def write(self, k: torch.Tensor, v: torch.Tensor, physical_slots: torch.Tensor) -> None:
-        """k, v: [B, H_kv, S, D] with B * S == len(physical_slots) (packed prefill: B = 1; decode: S = 1)."""
+        """k, v: [B, H_kv, S, D] with B * S == len(physical_slots) (packed prefill: B = 1; decode: S = 1),
+        zero-padded here to the cache's head dim."""
+        k, v = pad_head_dim(k, self.k_cache.shape[-1]), pad_head_dim(v, self.v_cache.shape[-1])
         B, H, S, D = k.shape
         # NOTE: an index_put_ on the whole cache; inductor turns index_copy_ on the [0] view
         # into a copy of the entire cache per write.
@@ -1931,7 +1930,8 @@ def paged_decode_attention(
     kernel_options: str,
     backend: str,
 ) -> torch.Tensor:
-    """Decode attention over the paged cache: q [B, H, 1, D], caches [1, H_kv, rows, D] -> [B, H, 1, D].
+    """Decode attention over the paged cache: q [B, H, 1, D], caches [1, H_kv, rows, D'] -> [B, H, 1, D]
+    (D' >= D: the cache's head dim, `kernel_head_dim`, zero past D).
 
     `backend` "triton": the project's paged kernel over each row's listed pages
     (paged_decode_attention_triton); "flex": flex_attention's decode kernel with the rebuilt
@@ -1948,22 +1948,13 @@ def paged_decode_attention(
     block_mask = PagedDecodeMask(
         kv_num_blocks, kv_indices, input_pos_B, batch_idx_B, physical_to_logical, page_size, sliding_window
     ).block_mask()
-    mark_compile_shapes("static", q, *block_mask.as_tuple()[2:6])
+    mark_compile_shapes("static", *block_mask.as_tuple()[2:6])
     options = json.loads(kernel_options)
     if q.is_cuda and q.shape[0] <= 8 and q.shape[-1] == 256:
         # NOTE: flex's default SPLIT_KV is 2 x SMs / rows, and only the splits that a row's few
         # pages reach do work; 16 splits are faster at small batches (kernel-option sweep).
         options.setdefault("SPLIT_KV", 16)
-    out = flex_attention_compiled(
-        q,
-        k_cache,
-        v_cache,
-        block_mask=block_mask,
-        scale=scale,
-        enable_gqa=q.shape[1] != k_cache.shape[1],
-        kernel_options=options,
-    )
-    return out.contiguous()
+    return flex_attention_padded(q, k_cache, v_cache, block_mask, scale, options, shape_role="static").contiguous()
 
 
 @paged_decode_attention.register_fake
@@ -2123,6 +2114,55 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
 
 # Compiled once for the whole process; prefill lengths become dynamic after the second one seen.
 flex_attention_compiled = torch.compile(flex_attention, fullgraph=True)
+
+
+def kernel_head_dim(head_dim: int, device: torch.device) -> int:
+    """The head dim flex_attention's kernel sees, and the KV cache is stored at: on the CPU the
+    model's rounded up to a multiple of 16, elsewhere the model's own.
+
+    NOTE: inductor's C++ flex template renames its KV block-size symbol by text replacement, which
+    corrupts symbols sharing its prefix; head dims that are no multiple of 16 made it emit such
+    symbols ("'cur_kvSplitSize4' was not declared": Gemma-4 at head dims 12 and 24, torch 2.13,
+    AVX-512/AMX). Zero columns leave q.k and the output's first head_dim columns as they are.
+    """
+    return -(-head_dim // 16) * 16 if device.type == "cpu" else head_dim
+
+
+def pad_head_dim(t: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """t zero-padded on its last dim to head_dim (t itself when it has that many columns already)."""
+    return t if t.shape[-1] == head_dim else nn.functional.pad(t, (0, head_dim - t.shape[-1]))
+
+
+def flex_attention_padded(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_mask: BlockMask,
+    scale: float,
+    kernel_options: dict,
+    shape_role: str,
+) -> torch.Tensor:
+    """flex_attention_compiled with q, k and v zero-padded to `kernel_head_dim` (k and v may come
+    padded already: the CPU's KV cache), the output cut back to q's head dim.
+
+    q, k and v share one head dim (every model here). `scale` is the model's, from the true head
+    dim: flex's default would take it from the padded one. The tensors the kernel sees are marked
+    with `shape_role` (mark_compile_shapes): marks on an unpadded tensor would not reach its copy.
+    """
+    head_dim = q.shape[-1]
+    padded = kernel_head_dim(head_dim, q.device)
+    q, k, v = pad_head_dim(q, padded), pad_head_dim(k, padded), pad_head_dim(v, padded)
+    mark_compile_shapes(shape_role, q, k, v)
+    out = flex_attention_compiled(
+        q,
+        k,
+        v,
+        block_mask=block_mask,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+        kernel_options=kernel_options,
+    )
+    return out if padded == head_dim else out[..., :head_dim]
 
 
 def compile_settings():
