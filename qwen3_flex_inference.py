@@ -96,7 +96,7 @@ class SamplingParams:
 
     temperature 0 is greedy (HF's argmax tokens); top_k 0, top_p 1.0 and min_p 0.0 are off; the
     filters apply as HF's do: logits / temperature, then top-k, top-p, min-p. `seed` fixes the
-    draws (None: one from the engine's seed); `n` completions per prompt (`FlexInference.rollouts`);
+    draws (None: the engine's seed and its index in the run); `n` completions per prompt (`FlexInference.rollouts`);
     `max_new_tokens` None takes the engine's; `stop_token_ids` add to the model's end ids, which
     `ignore_eos` ignores; `logprobs` records log_softmax(logits / temperature) at each chosen token,
     over the whole vocabulary before any filtering (at temperature 0, log_softmax(logits)): the
@@ -164,7 +164,7 @@ class Sequence:
     output_logits: list = field(default_factory=list)
     batch_idx: int = -1  # batch slot while it holds pages, -1 otherwise
     num_preemptions: int = 0
-    seed: int = 0  # the seed of this run's draws (sampling.seed, or one from the engine's)
+    seed: int = 0  # the seed of this run's draws (sampling.seed, or the run's base seed + its index)
     shares_prompt_with: Sequence | None = None  # rollouts: the group's first completion, prefilled for all
     end_ids: frozenset = frozenset()  # the token ids that finish it in this run
 
@@ -279,8 +279,15 @@ class FlexInference:
             self.refresh_lora()
 
     def prepare(self, sequences: list[Sequence]) -> None:
-        """Tokenizes and checks every sequence, and clears its output: bad input fails here, before any work."""
-        for seq in sequences:
+        """Tokenizes and checks every sequence, clears its output and sets its seed: bad input fails
+        here, before any work.
+
+        Each call takes one base seed s from the engine's seeds; sequences[i] without a seed of its
+        own draws with s + i. Seeds follow the index in the whole run, so a run split across ranks
+        (`generate(..., shard=)`) draws what one process would, and no two ranks draw alike.
+        """
+        base_seed = self.seeds.getrandbits(61)  # + an index stays below SamplingParams' 2**62
+        for i, seq in enumerate(sequences):
             if seq.input_ids is None:
                 if seq.text is None:
                     raise FlexInferenceError("a Sequence needs text or input_ids")
@@ -307,7 +314,7 @@ class FlexInference:
                 raise FlexInferenceError(
                     f"max_new_tokens must be at least 1, got {seq.max_new_tokens}", "max_new_tokens"
                 )
-            seq.seed = params.seed if params.seed is not None else self.seeds.getrandbits(62)
+            seq.seed = params.seed if params.seed is not None else base_seed + i
             seq.end_ids = frozenset(params.stop_token_ids) | (
                 frozenset() if params.ignore_eos else frozenset(self.end_ids)
             )
@@ -316,11 +323,21 @@ class FlexInference:
 
     @torch.inference_mode()
     def generate(
-        self, sequences: list[Sequence], capture_cudagraph: bool = False, progress: bool = False
+        self,
+        sequences: list[Sequence],
+        capture_cudagraph: bool = False,
+        progress: bool = False,
+        shard: slice | None = None,
     ) -> list[Sequence]:
         """Decodes every sequence to an end id or its max_new_tokens (greedy, or as its `sampling`
-        says); returns them in input order, the same objects, filled in."""
+        says); returns them in input order, the same objects, filled in.
+
+        `shard` (data parallel, `generate_shard`): every sequence is prepared (checked, seeded by its
+        index in `sequences`), only sequences[shard] are generated, and that block is returned.
+        """
         self.prepare(sequences)
+        if shard is not None:
+            sequences = sequences[shard]
         with compile_settings():
             if capture_cudagraph:
                 # every mode a step can take: a step's mode is the most demanding of its rows'
@@ -1003,7 +1020,7 @@ def kv_pool_pages(
     for heads in kv_heads:
         if heads is not None:
             regime, num_kv_heads, head_dim = heads
-            bytes_per_token[regime] += 2 * num_kv_heads * head_dim * dtype.itemsize
+            bytes_per_token[regime] += 2 * num_kv_heads * kernel_head_dim(head_dim, device) * dtype.itemsize
 
     def pool_bytes(n: int) -> int:
         return sum(
@@ -1635,22 +1652,17 @@ class PrefillLayerStep:
         """Writes k/v into the cache and the packed K/V (None: a KV-shared layer, which reads its
         store layer's), then flex-attends over the packed K/V.
 
-        q: [1, H, T, D]; k, v: [1, H_kv, T, D]; returns [1, H, T, D].
+        q: [1, H, T, D]; k, v: [1, H_kv, T, D]; returns [1, H, T, D]. The packed K/V is kept at the
+        cache's head dim (`kernel_head_dim`), so the KV-shared layers read it padded already.
         """
         if k is not None:
+            padded_head_dim = self.cache.k_cache.shape[-1]
+            k, v = pad_head_dim(k, padded_head_dim), pad_head_dim(v, padded_head_dim)
             self.cache.write(k, v, self.physical_slots)
             self.packed_kv.k, self.packed_kv.v = k, v
         k, v = self.packed_kv.k, self.packed_kv.v
-        mark_compile_shapes("packed", q, k, v)
-        return flex_attention_compiled(
-            q,
-            k,
-            v,
-            block_mask=self.block_mask,
-            scale=scale,
-            enable_gqa=q.shape[1] != k.shape[1],
-            kernel_options=self.kernel_options[q.shape[-1]].prefill,
-        )
+        options = self.kernel_options[q.shape[-1]].prefill
+        return flex_attention_padded(q, k, v, self.block_mask, scale, options, shape_role="packed")
 
 
 @dataclass
@@ -1718,7 +1730,9 @@ class PagedKVCache:
     """One attention layer's K/V pool, shared by all sequences through the page table."""
 
     def __init__(self, n_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype, device):
-        shape = (1, num_kv_heads, n_pages * page_size, head_dim)
+        # NOTE: stored at kernel_head_dim (on the CPU a multiple of 16, its NOTE), zero columns past
+        # head_dim, so decode never pads the cache.
+        shape = (1, num_kv_heads, n_pages * page_size, kernel_head_dim(head_dim, torch.device(device)))
         # k_cache, v_cache: [1, H_kv, n_pages * page_size, D]; row = physical_page * page_size + offset
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
@@ -1730,7 +1744,9 @@ class PagedKVCache:
         return 2 * num_kv_heads * head_dim * self.k_cache.element_size()
 
     def write(self, k: torch.Tensor, v: torch.Tensor, physical_slots: torch.Tensor) -> None:
-        """k, v: [B, H_kv, S, D] with B * S == len(physical_slots) (packed prefill: B = 1; decode: S = 1)."""
+        """k, v: [B, H_kv, S, D] with B * S == len(physical_slots) (packed prefill: B = 1; decode: S = 1),
+        zero-padded here to the cache's head dim."""
+        k, v = pad_head_dim(k, self.k_cache.shape[-1]), pad_head_dim(v, self.v_cache.shape[-1])
         B, H, S, D = k.shape
         # NOTE: an index_put_ on the whole cache; inductor turns index_copy_ on the [0] view
         # into a copy of the entire cache per write.
@@ -1914,7 +1930,8 @@ def paged_decode_attention(
     kernel_options: str,
     backend: str,
 ) -> torch.Tensor:
-    """Decode attention over the paged cache: q [B, H, 1, D], caches [1, H_kv, rows, D] -> [B, H, 1, D].
+    """Decode attention over the paged cache: q [B, H, 1, D], caches [1, H_kv, rows, D'] -> [B, H, 1, D]
+    (D' >= D: the cache's head dim, `kernel_head_dim`, zero past D).
 
     `backend` "triton": the project's paged kernel over each row's listed pages
     (paged_decode_attention_triton); "flex": flex_attention's decode kernel with the rebuilt
@@ -1931,22 +1948,13 @@ def paged_decode_attention(
     block_mask = PagedDecodeMask(
         kv_num_blocks, kv_indices, input_pos_B, batch_idx_B, physical_to_logical, page_size, sliding_window
     ).block_mask()
-    mark_compile_shapes("static", q, *block_mask.as_tuple()[2:6])
+    mark_compile_shapes("static", *block_mask.as_tuple()[2:6])
     options = json.loads(kernel_options)
     if q.is_cuda and q.shape[0] <= 8 and q.shape[-1] == 256:
         # NOTE: flex's default SPLIT_KV is 2 x SMs / rows, and only the splits that a row's few
         # pages reach do work; 16 splits are faster at small batches (kernel-option sweep).
         options.setdefault("SPLIT_KV", 16)
-    out = flex_attention_compiled(
-        q,
-        k_cache,
-        v_cache,
-        block_mask=block_mask,
-        scale=scale,
-        enable_gqa=q.shape[1] != k_cache.shape[1],
-        kernel_options=options,
-    )
-    return out.contiguous()
+    return flex_attention_padded(q, k_cache, v_cache, block_mask, scale, options, shape_role="static").contiguous()
 
 
 @paged_decode_attention.register_fake
@@ -2106,6 +2114,55 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
 
 # Compiled once for the whole process; prefill lengths become dynamic after the second one seen.
 flex_attention_compiled = torch.compile(flex_attention, fullgraph=True)
+
+
+def kernel_head_dim(head_dim: int, device: torch.device) -> int:
+    """The head dim flex_attention's kernel sees, and the KV cache is stored at: on the CPU the
+    model's rounded up to a multiple of 16, elsewhere the model's own.
+
+    NOTE: inductor's C++ flex template renames its KV block-size symbol by text replacement, which
+    corrupts symbols sharing its prefix; head dims that are no multiple of 16 made it emit such
+    symbols ("'cur_kvSplitSize4' was not declared": Gemma-4 at head dims 12 and 24, torch 2.13,
+    AVX-512/AMX). Zero columns leave q.k and the output's first head_dim columns as they are.
+    """
+    return -(-head_dim // 16) * 16 if device.type == "cpu" else head_dim
+
+
+def pad_head_dim(t: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """t zero-padded on its last dim to head_dim (t itself when it has that many columns already)."""
+    return t if t.shape[-1] == head_dim else nn.functional.pad(t, (0, head_dim - t.shape[-1]))
+
+
+def flex_attention_padded(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_mask: BlockMask,
+    scale: float,
+    kernel_options: dict,
+    shape_role: str,
+) -> torch.Tensor:
+    """flex_attention_compiled with q, k and v zero-padded to `kernel_head_dim` (k and v may come
+    padded already: the CPU's KV cache), the output cut back to q's head dim.
+
+    q, k and v share one head dim (every model here). `scale` is the model's, from the true head
+    dim: flex's default would take it from the padded one. The tensors the kernel sees are marked
+    with `shape_role` (mark_compile_shapes): marks on an unpadded tensor would not reach its copy.
+    """
+    head_dim = q.shape[-1]
+    padded = kernel_head_dim(head_dim, q.device)
+    q, k, v = pad_head_dim(q, padded), pad_head_dim(k, padded), pad_head_dim(v, padded)
+    mark_compile_shapes(shape_role, q, k, v)
+    out = flex_attention_compiled(
+        q,
+        k,
+        v,
+        block_mask=block_mask,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+        kernel_options=kernel_options,
+    )
+    return out if padded == head_dim else out[..., :head_dim]
 
 
 def compile_settings():
@@ -3165,15 +3222,16 @@ def shard_slice(num_items: int, rank: int, world_size: int) -> slice:
 
 def generate_shard(engine: FlexInference, sequences: list[Sequence], group=None, **generate_kwargs) -> list[Sequence]:
     """Generates this rank's shard_slice of `sequences` and returns that block (every sequence
-    without a process group). Every rank of `group` (None: the default group) passes the same list;
-    each checks and tokenizes all of it, then generates its own block."""
+    without a process group). Every rank of `group` (None: the default group) passes the same list
+    and an engine of the same seed; each checks, tokenizes and seeds all of it once (a sequence
+    without a seed draws by its index in the whole list), then generates its own block: the tokens
+    are one process's, whatever the number of ranks."""
     if not is_data_parallel():
         return engine.generate(sequences, **generate_kwargs)
     # NOTE: every rank checks every sequence, so bad input fails on all ranks alike instead of on
     # one, which would leave the others waiting in the gather until the process group times out.
-    engine.prepare(sequences)
-    shard = sequences[shard_slice(len(sequences), dist.get_rank(group), dist.get_world_size(group))]
-    return engine.generate(shard, **generate_kwargs)
+    shard = shard_slice(len(sequences), dist.get_rank(group), dist.get_world_size(group))
+    return engine.generate(sequences, shard=shard, **generate_kwargs)
 
 
 def gather_outputs(sequences: list[Sequence], group=None) -> list[Sequence]:
@@ -3200,7 +3258,8 @@ def gather_outputs(sequences: list[Sequence], group=None) -> list[Sequence]:
 def generate_sharded(engine: FlexInference, sequences: list[Sequence], group=None, **generate_kwargs) -> list[Sequence]:
     """Data-parallel `engine.generate`: every rank of `group` (None: the default group) passes the
     same `sequences` and its own engine, generates a contiguous block of them, and gets all of them
-    back filled in, in input order. `generate_kwargs` go to `engine.generate`. Without a process
+    back filled in, in input order: the tokens of `engine.generate(sequences)` in one process, seeds
+    included (`generate_shard`). `generate_kwargs` go to `engine.generate`. Without a process
     group this is `engine.generate(sequences)`."""
     generate_shard(engine, sequences, group, **generate_kwargs)
     return gather_outputs(sequences, group)

@@ -4,9 +4,11 @@ this script initialises itself, as a trainer's ranks would, before the engine is
     python -m torch.distributed.run --nproc_per_node 2 -m tests.distributed_generate SPEC_JSON   # from the repo root
 
 SPEC_JSON holds `model_dir`, `engine` (FlexInference keyword arguments), `cases` (case name -> list
-of prompts as token ids) and `out_dir`. Each rank writes out_dir/rank{rank}.json, case name ->
-{"gathered": [output_ids, finish_reason] of every sequence it holds after generate_sharded, in
-input order; "single_process": the same from plain `engine.generate` of all the prompts} or
+of prompts as token ids), `sampling` (case name -> SamplingParams keyword arguments, for the cases
+that sample; the others are greedy) and `out_dir`. Each rank writes out_dir/rank{rank}.json, case
+name -> {"gathered": [output_ids, finish_reason] of every sequence it holds after generate_sharded,
+in input order; "single_process": the same from plain `engine.generate` of all the prompts, its
+seeds drawn from the engine's seeds where generate_sharded's were, as one process would} or
 {"error": the message of the ValueError that generate_sharded raised}.
 """
 
@@ -18,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from qwen3_flex_inference import FlexInference, Sequence, generate_sharded
+from qwen3_flex_inference import FlexInference, SamplingParams, Sequence, generate_sharded
 
 # A rank left waiting in a collective fails after this instead of hanging the test.
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)
@@ -37,7 +39,9 @@ def main(spec_path: str) -> None:
     engine = FlexInference(model, None, **spec["engine"])
     results = {}
     for case, prompts in spec["cases"].items():
-        sequences = [Sequence(input_ids=ids) for ids in prompts]
+        sampling = SamplingParams(**spec["sampling"][case]) if case in spec["sampling"] else None
+        sequences = [Sequence(input_ids=ids, sampling=sampling) for ids in prompts]
+        engine_seeds = engine.seeds.getstate()  # the one-process reference below starts from here too
         try:
             returned = generate_sharded(engine, sequences, group=group)
         except ValueError as error:
@@ -45,7 +49,8 @@ def main(spec_path: str) -> None:
             continue
         assert returned is sequences, "generate_sharded did not return the list it was given"
         # The reference: every prompt generated here alone, with no process group involved.
-        single_process = engine.generate([Sequence(input_ids=ids) for ids in prompts])
+        engine.seeds.setstate(engine_seeds)
+        single_process = engine.generate([Sequence(input_ids=ids, sampling=sampling) for ids in prompts])
         results[case] = {
             "gathered": [[seq.output_ids, seq.finish_reason] for seq in sequences],
             "single_process": [[seq.output_ids, seq.finish_reason] for seq in single_process],

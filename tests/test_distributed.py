@@ -1,6 +1,7 @@
 """Data-parallel rollouts under torchrun (2 ranks, gloo on the CPU, the tiny Qwen3, float32): the
-completions gathered in input order equal a single-process run's, for uneven splits and an empty
-shard, through the CLI and through `generate_sharded` on a process group the caller initialised.
+completions gathered in input order equal a single-process run's, for uneven splits, an empty shard
+and unseeded sampling, through the CLI and through `generate_sharded` on a process group the caller
+initialised.
 
 The torchrun launches start at once, in the background (module fixture): their imports and
 compiles overlap with each other and with the single-process reference runs in this process.
@@ -39,6 +40,9 @@ CLI_LIMITS = [
 CLI_PROMPTS = demo_prompts()[2:5]
 # Prompt lengths per API case: 5 prompts on 2 ranks (blocks of 3 and 2); 1 prompt (rank 1's block is empty).
 API_CASES = {"5_prompts_on_2_ranks": [23, 5, 40, 11, 17], "1_prompt_on_2_ranks": [13]}
+# Sampling without a seed: one prompt 4 times, 2 copies per rank (the copies differ only by seed).
+SAMPLED_CASE = "4_unseeded_samples_of_one_prompt_on_2_ranks"
+SAMPLED_PROMPT_LENGTH, SAMPLED_COPIES = 9, 4
 # Rank 1's block holds a prompt longer than max_seq_length, rank 0's is fine.
 API_BAD_CASE = {"too_long_prompt_in_rank_1_block": [13, 300]}
 TOO_LONG_MESSAGE = "a prompt has 300 tokens, max_seq_length is 256"
@@ -82,9 +86,18 @@ def runs(tiny_dir, tmp_path_factory):
         case: random_prompts(lengths, vocab_size, seed=i)
         for i, (case, lengths) in enumerate({**API_CASES, **API_BAD_CASE}.items())
     }
+    cases[SAMPLED_CASE] = random_prompts([SAMPLED_PROMPT_LENGTH], vocab_size, seed=len(cases)) * SAMPLED_COPIES
     spec = tmp / "spec.json"
     spec.write_text(
-        json.dumps({"model_dir": str(model_dir), "engine": ENGINE_LIMITS, "cases": cases, "out_dir": str(tmp)})
+        json.dumps(
+            {
+                "model_dir": str(model_dir),
+                "engine": ENGINE_LIMITS,
+                "cases": cases,
+                "sampling": {SAMPLED_CASE: {"temperature": 1.0}},
+                "out_dir": str(tmp),
+            }
+        )
     )
     # The second prompt, rank 1's block, is longer than max_seq_length; the first fits.
     bad_prompts = tmp / "bad_prompts.txt"
@@ -184,6 +197,17 @@ def test_generate_sharded_on_a_gloo_group_equals_single_process_generate_in_inpu
             )
             assert got == want, f"{case} {rank=} got={got} want={want}"
         assert api_run[0][case] == api_run[1][case], f"{case}: the ranks disagree: {api_run}"
+
+
+def test_unseeded_samples_on_2_ranks_equal_one_process_s_and_the_ranks_draw_different_samples(api_run):
+    # Every copy of the prompt is seeded by its index in the whole list, as in one process; ranks
+    # that drew seeds per block would repeat each other's samples.
+    for rank, results in enumerate(api_run):
+        got, want = results[SAMPLED_CASE]["gathered"], results[SAMPLED_CASE]["single_process"]
+        assert got == want, f"{rank=} 2 ranks {got} one process {want}"
+        outputs = [tuple(output_ids) for output_ids, _ in got]
+        assert len(set(outputs)) == SAMPLED_COPIES, f"{rank=}: samples repeat across copies of one prompt: {outputs}"
+    assert api_run[0][SAMPLED_CASE] == api_run[1][SAMPLED_CASE], f"the ranks disagree: {api_run}"
 
 
 def test_generate_sharded_fails_on_every_rank_when_one_rank_s_block_holds_bad_input(api_run):

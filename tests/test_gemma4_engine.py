@@ -313,3 +313,74 @@ def test_mask_mods_capture_only_tensors_of_one_size_whatever_the_prompts(case, m
         shapes.append(set(recorded))
     assert shapes[0] == shapes[1] and len(shapes[0]) >= 2, f"{case['name']}: {shapes=}"
     assert num_decode_masks[0] > 0, "no decode mask was built: the decode half went untested"
+
+
+# Head dims that are no multiple of 16 (inductor's CPU flex template was reported failing to compile
+# them: 'cur_kvSplitSize4' was not declared), a window shorter than a page, 2 KV heads.
+ODD_HEAD_DIMS = {"head_dim": 12, "global_head_dim": 24, "sliding_window": 5, "num_key_value_heads": 2}
+
+
+@pytest.fixture(scope="module")
+def odd_head_dims(tiny_dir):
+    """The tiny Gemma-4 at ODD_HEAD_DIMS, random weights built in memory, generated once on the
+    engine while every call of the compiled flex_attention is recorded: (kind, q, k, v head dims)."""
+    import copy
+    import json
+
+    from transformers import AutoModelForCausalLM, Gemma4TextConfig
+
+    import qwen3_flex_inference
+
+    config_dict = json.loads((tiny_dir / "gemma4_text" / "config.json").read_text())
+    for key in ("architectures", "model_type", "transformers_version"):
+        config_dict.pop(key)
+    config = Gemma4TextConfig(**{**config_dict, **ODD_HEAD_DIMS})
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    sdpa = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    sdpa.load_state_dict(hf.state_dict())
+    engine = make_engine(copy.deepcopy(hf), max_batch_size=2)
+    engine.end_ids = set()
+    kernel_calls = []
+    compiled = qwen3_flex_inference.flex_attention_compiled
+
+    def recording_flex_attention(q, k, v, **kwargs):
+        kernel_calls.append(("decode" if q.shape[2] == 1 else "prefill", q.shape[-1], k.shape[-1], v.shape[-1]))
+        return compiled(q, k, v, **kwargs)
+
+    prompts = random_prompts([7, 30], config.vocab_size, seed=13)
+    sequences = [Sequence(input_ids=ids, max_new_tokens=8, record_logits=True) for ids in prompts]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(qwen3_flex_inference, "flex_attention_compiled", recording_flex_attention)
+        engine.generate(sequences)
+    return dict(hf=hf, sdpa=sdpa, engine=engine, prompts=prompts, sequences=sequences, kernel_calls=kernel_calls)
+
+
+def test_head_dims_12_and_24_with_window_5_match_hf_tokens_and_logits_on_compiled_flex(odd_head_dims):
+    case, sequences = odd_head_dims, odd_head_dims["sequences"]
+    assert {layer.self_attn.head_dim for layer in case["hf"].model.layers} == {12, 24}
+    want = hf_argmax_rollout(case["hf"], case["prompts"], 8, set())
+    for i, (seq, w) in enumerate(zip(sequences, want)):
+        assert seq.output_ids == w, f"prompt {i}: {seq.output_ids=} {w=}"
+    tolerance = logit_tolerance(case, [seq.token_ids for seq in sequences])
+    for i, seq in enumerate(sequences):
+        with torch.no_grad():
+            want_logits = case["hf"](torch.tensor([seq.token_ids])).logits[0, len(seq.input_ids) - 1 : -1]
+        err = (torch.stack(seq.output_logits) - want_logits).abs().max().item()
+        assert err < tolerance, f"prompt {i}: max |logit error| {err} {tolerance=}"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the padding is the CPU's")
+def test_cpu_flex_kernel_and_kv_cache_see_head_dims_padded_to_multiples_of_16(odd_head_dims):
+    """Head dims 12 and 24 reach the compiled flex_attention, prefill and decode, as 16 and 32
+    (zero-padded q, k, v), and the KV caches are stored at 16 and 32."""
+    calls = set(odd_head_dims["kernel_calls"])
+    want = {(kind, d, d, d) for kind in ("prefill", "decode") for d in (16, 32)}
+    assert calls == want, f"(kind, q, k, v head dims) the kernel saw: {sorted(calls)}, want {sorted(want)}"
+    engine = odd_head_dims["engine"]
+    for layer, cache in zip(odd_head_dims["hf"].model.layers, engine.runner.kv_caches):
+        if cache is not None:
+            want_dim = {12: 16, 24: 32}[layer.self_attn.head_dim]
+            assert cache.k_cache.shape[-1] == cache.v_cache.shape[-1] == want_dim, (
+                f"{layer.self_attn.head_dim=} {cache.k_cache.shape=} {cache.v_cache.shape=}"
+            )
