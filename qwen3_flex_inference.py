@@ -39,6 +39,7 @@ import hashlib
 import importlib.util
 import itertools
 import json
+import logging
 import math
 import os
 import random
@@ -72,6 +73,10 @@ except ImportError:  # CPU installs without triton: skinny_linear is then plain 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
 
+# NOTE: bitsandbytes (which PEFT imports) logs on import that an optional package of CPU kernels is
+# missing; its 4-bit CPU path runs without it, so that one notice is dropped wherever the engine runs.
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(lambda record: "kernels" not in record.getMessage())
+
 
 class FlexInferenceError(ValueError):
     """Bad input, or a setup this engine cannot run, said in one sentence.
@@ -92,15 +97,18 @@ class FlexInferenceError(ValueError):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How a sequence picks its tokens, with vLLM's names.
+    """How a sequence picks its tokens, with vLLM's names and meanings.
 
     temperature 0 is greedy (HF's argmax tokens); top_k 0, top_p 1.0 and min_p 0.0 are off; the
     filters apply as HF's do: logits / temperature, then top-k, top-p, min-p. `seed` fixes the
-    draws (None: the engine's seed and its index in the run); `n` completions per prompt (`FlexInference.rollouts`);
-    `max_new_tokens` None takes the engine's; `stop_token_ids` add to the model's end ids, which
-    `ignore_eos` ignores; `logprobs` records log_softmax(logits / temperature) at each chosen token,
-    over the whole vocabulary before any filtering (at temperature 0, log_softmax(logits)): the
-    log-probs a GRPO trainer computes for the importance ratio and the KL.
+    draws (None: the engine's seed and its index in the run); `n` completions per prompt
+    (`FlexInference.rollouts`); `max_tokens` (HF's `max_new_tokens` is the same, either spelling)
+    None takes the engine's; `stop_token_ids` add to the model's end ids, which `ignore_eos`
+    ignores. `logprobs` as vLLM's: None (or False) records none; 0 (or True) records the sampled
+    token's log-prob, log_softmax(logits / temperature) at each chosen token over the whole
+    vocabulary before any filtering (at temperature 0, log_softmax(logits)): the log-probs a GRPO
+    trainer computes for the importance ratio and the KL. vLLM's k >= 1 (the k most likely tokens'
+    log-probs beside the sampled one's) is refused: only the sampled token's is recorded.
     """
 
     temperature: float = 1.0
@@ -109,28 +117,47 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     n: int = 1
-    max_new_tokens: int | None = None
+    max_tokens: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    logprobs: bool = False
+    logprobs: int | bool | None = None
+    max_new_tokens: dataclasses.InitVar[int | None] = None  # HF's name for max_tokens, taken on construction
 
-    def __post_init__(self):
+    def __post_init__(self, max_new_tokens: int | None):
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if max_new_tokens is not None:
+            if self.max_tokens is not None and self.max_tokens != max_new_tokens:
+                raise FlexInferenceError(
+                    f"max_tokens ({self.max_tokens}) and max_new_tokens ({max_new_tokens}) are one setting: give one",
+                    "max_tokens",
+                )
+            object.__setattr__(self, "max_tokens", max_new_tokens)
+        max_tokens = self.max_tokens
         checks = [
-            (self.temperature >= 0, f"temperature must be at least 0, got {self.temperature}"),
+            (
+                0 <= self.temperature < math.inf,
+                f"temperature must be a finite number of at least 0, got {self.temperature}",
+            ),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (self.top_k >= 0, f"top_k must be at least 0 (0: off), got {self.top_k}"),
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
             (self.seed is None or 0 <= self.seed < 2**62, f"seed must be in [0, 2**62), got {self.seed}"),
             (self.n >= 1, f"n must be at least 1, got {self.n}"),
+            (max_tokens is None or max_tokens >= 1, f"max_tokens must be at least 1, got {max_tokens}"),
             (
-                self.max_new_tokens is None or self.max_new_tokens >= 1,
-                f"max_new_tokens must be at least 1, got {self.max_new_tokens}",
+                self.logprobs is None or isinstance(self.logprobs, bool) or self.logprobs == 0,
+                f"logprobs must be None or 0 (the sampled token's log-prob), got {self.logprobs!r}: "
+                "the engine records only the sampled token's log-prob, not the top-k alternatives",
             ),
         ]
         for is_valid, message in checks:
             if not is_valid:
                 raise FlexInferenceError(message, message.split()[0])
+
+    @property
+    def is_logprobs(self) -> bool:
+        """Whether the sampled tokens' log-probs are recorded (vLLM's logprobs=0, or True)."""
+        return self.logprobs is not None and self.logprobs is not False
 
     @property
     def is_greedy(self) -> bool:
@@ -143,6 +170,13 @@ class SamplingParams:
 
 
 GREEDY = SamplingParams(temperature=0.0)
+# NOTE: the engine patches its model's modules (fused, skinny or unmerged-LoRA forwards) and merges
+# the adapter into its weights; on the trainer's own model that breaks the backward ("no autograd
+# formula for flex_inference.skinny_linear") and the pristine copy.
+TRAINERS_OWN_MODEL = (
+    "the engine was given the trainer's own model to run: it patches and merges into its model, so give "
+    "it a copy of its own (load the checkpoint again) and the trainer's model as peft_model= and base_model="
+)
 # How a decode step picks its rows' tokens (sampling_mode): each mode is its own graph per bucket.
 GREEDY_MODE, SAMPLE_MODE, FILTERED_MODE = "greedy", "sample", "filtered"
 
@@ -219,11 +253,14 @@ class FlexInference:
         check_engine_limits(max_batch_size, max_seq_length, n_pages, page_size, max_new_tokens)
         self.model = model
         self.causal_lm = unwrap_causal_lm(model)
+        if base_model is not None and unwrap_causal_lm(base_model) is self.causal_lm:
+            raise FlexInferenceError(TRAINERS_OWN_MODEL)
         self.config = self.causal_lm.config
         self.tokenizer = tokenizer
         self.max_seq_length = max_seq_length
         self.max_new_tokens = max_new_tokens
         self.end_ids = end_token_ids(self.causal_lm, tokenizer)
+        self.vocab_size = self.causal_lm.get_input_embeddings().num_embeddings
         device = next(self.causal_lm.parameters()).device
         self.merge_lora = peft_model is not None and resolve_merge_lora(merge_lora, self.causal_lm, peft_model)
         if fuse_projections and peft_model is not None and not self.merge_lora:
@@ -297,6 +334,11 @@ class FlexInference:
             seq.input_ids = list(seq.input_ids)
             if not seq.input_ids:
                 raise FlexInferenceError("a prompt has no tokens")
+            if not 0 <= min(seq.input_ids) <= max(seq.input_ids) < self.vocab_size:
+                raise FlexInferenceError(
+                    f"a prompt holds token ids from {min(seq.input_ids)} to {max(seq.input_ids)}, "
+                    f"outside the vocabulary's 0..{self.vocab_size - 1}"
+                )
             if len(seq.input_ids) >= self.max_seq_length:
                 raise FlexInferenceError(
                     f"a prompt has {len(seq.input_ids)} tokens, max_seq_length is {self.max_seq_length}: "
@@ -309,7 +351,7 @@ class FlexInference:
                     f"a Sequence is one completion, but its SamplingParams ask for n={params.n}: use rollouts"
                 )
             if seq.max_new_tokens is None:
-                seq.max_new_tokens = params.max_new_tokens or self.max_new_tokens
+                seq.max_new_tokens = params.max_tokens or self.max_new_tokens
             if seq.max_new_tokens < 1:
                 raise FlexInferenceError(
                     f"max_new_tokens must be at least 1, got {seq.max_new_tokens}", "max_new_tokens"
@@ -324,17 +366,24 @@ class FlexInference:
     @torch.inference_mode()
     def generate(
         self,
-        sequences: list[Sequence],
+        prompts: list,
+        sampling_params: SamplingParams | None = None,
         capture_cudagraph: bool = False,
         progress: bool = False,
         shard: slice | None = None,
     ) -> list[Sequence]:
-        """Decodes every sequence to an end id or its max_new_tokens (greedy, or as its `sampling`
-        says); returns them in input order, the same objects, filled in.
+        """Decodes every prompt to an end id or its max_new_tokens; returns their Sequences in input
+        order, filled in.
+
+        A prompt is a `Sequence` (the same object comes back; its own `sampling`, None: greedy), or
+        a string (raw text, as vLLM's `LLM.generate` takes it), a chat (a list of {"role", "content"}
+        dicts, in the tokenizer's chat template with the generation prompt, as vLLM's `LLM.chat`) or
+        token ids, each drawn as `sampling_params` says (None: greedy).
 
         `shard` (data parallel, `generate_shard`): every sequence is prepared (checked, seeded by its
-        index in `sequences`), only sequences[shard] are generated, and that block is returned.
+        index in `prompts`), only sequences[shard] are generated, and that block is returned.
         """
+        sequences = [self.as_sequence(prompt, i, sampling_params) for i, prompt in enumerate(prompts)]
         self.prepare(sequences)
         if shard is not None:
             sequences = sequences[shard]
@@ -351,24 +400,54 @@ class FlexInference:
     def rollouts(
         self, prompts: list, params: SamplingParams, capture_cudagraph: bool = False, progress: bool = False
     ) -> list[list[Sequence]]:
-        """`params.n` completions of every prompt (a string, tokenized as `tokenize_prompt` does, or
-        token ids), drawn as `params` says; groups[i] holds prompts[i]'s completions.
+        """`params.n` completions of every prompt (a string, a chat or token ids, as `generate` takes
+        them), drawn as `params` says; groups[i] holds prompts[i]'s completions.
 
         Completion j of prompt i draws with seed s + i * n + j (s: params.seed, or one from the
         engine's seed): prompt 0's completions use s, ..., s + n - 1, and no two completions share
         their noise.
         """
         prompt_sequences = []
-        for prompt in prompts:
-            if isinstance(prompt, str) and self.tokenizer is None:
-                raise FlexInferenceError("a text prompt needs a tokenizer")
-            is_text = isinstance(prompt, str)
-            input_ids = tokenize_prompt(self.tokenizer, prompt) if is_text else list(prompt)
-            prompt_sequences.append(Sequence(text=prompt if is_text else None, input_ids=input_ids))
+        for i, prompt in enumerate(prompts):
+            seq = self.as_sequence(prompt, i, params)
+            if seq.input_ids is None:  # tokenized once for the whole group
+                seq.input_ids = tokenize_prompt(self.tokenizer, seq.text)
+            prompt_sequences.append(seq)
         base_seed = params.seed if params.seed is not None else self.seeds.getrandbits(61)
         groups = completion_groups(prompt_sequences, params, base_seed)
-        self.generate([seq for group in groups for seq in group], capture_cudagraph, progress)
+        self.generate(
+            [seq for group in groups for seq in group], capture_cudagraph=capture_cudagraph, progress=progress
+        )
         return groups
+
+    def as_sequence(self, prompt, index: int, sampling: SamplingParams | None) -> Sequence:
+        """Prompts in: a Sequence as it is; a string, a chat or token ids as a new Sequence drawn as
+        `sampling` says (a chat in the tokenizer's chat template, with the generation prompt)."""
+        if isinstance(prompt, Sequence):
+            return prompt
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise FlexInferenceError(f"prompt {index} is text, but the engine has no tokenizer: give token ids")
+            return Sequence(text=prompt, sampling=sampling)
+        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+            return Sequence(text=self.chat_text(prompt, index), sampling=sampling)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return Sequence(input_ids=list(prompt), sampling=sampling)
+        raise FlexInferenceError(
+            f"prompt {index} is {type(prompt).__name__} {str(prompt)[:40]!r}: give a string, a chat "
+            "(a list of {'role': ..., 'content': ...} dicts), token ids or a Sequence"
+        )
+
+    def chat_text(self, messages: list[dict], index: int) -> str:
+        """A chat's text in the tokenizer's chat template, ending in the assistant turn's opening."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise FlexInferenceError(f"prompt {index} is a chat, but the tokenizer has no chat template: give text")
+        for message in messages:
+            if not (isinstance(message.get("role"), str) and isinstance(message.get("content"), str)):
+                raise FlexInferenceError(
+                    f"prompt {index} holds the message {str(message)[:60]}: each needs a string role and content"
+                )
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
     def _generate(self, sequences: list[Sequence], use_graph: bool, progress: bool) -> list[Sequence]:
         """The loop: admit and prefill, one decode step for every running sequence, retire.
@@ -441,7 +520,7 @@ class FlexInference:
         """Tokens out: one generated token (and its log-prob, when asked for); the sequence
         finishes at one of its end ids or its length limit."""
         seq.output_ids.append(token)
-        if seq.sampling is not None and seq.sampling.logprobs:
+        if seq.sampling is not None and seq.sampling.is_logprobs:
             seq.output_logprobs.append(logprob)
         if seq.record_logits:
             seq.output_logits.append(logits_V.detach().float().cpu())
@@ -488,6 +567,11 @@ class FlexInference:
     def refresh_lora(self) -> None:
         """Brings the PEFT model's current adapter into the engine, in place: re-merged from the
         pristine weights, or copied beside them when unmerged."""
+        if self.peft_model is None:
+            raise FlexInferenceError(
+                "this engine has no LoRA adapter to refresh: build it with peft_model= (or, for full "
+                "weights, call load_weights)"
+            )
         if self.merge_lora:
             refresh_lora_merge_from_pristine(self.lora_targets, self.pristine_lora_weights, self.peft_model)
         else:
@@ -580,10 +664,11 @@ def completion_groups(prompts: list[Sequence], params: SamplingParams, base_seed
 def tokenize_prompt(tokenizer, text: str) -> list[int]:
     """The prompt's token ids as the model's tokenizer makes them for that kind of text: text from
     apply_chat_template(..., tokenize=False) already starts with the BOS token (Gemma, Llama) and
-    gets no second one; raw text gets the tokenizer's special tokens (BOS where it adds one)."""
+    gets no second one; raw text gets the tokenizer's special tokens (BOS where it adds one). The
+    length is the engine's to judge (max_seq_length), not the tokenizer's model_max_length: no warning."""
     bos = getattr(tokenizer, "bos_token", None)
     has_bos = bos is not None and text.startswith(bos)
-    return tokenizer(text, add_special_tokens=not has_bos)["input_ids"]
+    return tokenizer(text, add_special_tokens=not has_bos, verbose=False)["input_ids"]
 
 
 def end_token_ids(causal_lm: nn.Module, tokenizer) -> set[int]:
@@ -1556,7 +1641,7 @@ def sampling_mode(sequences: list[Sequence]) -> str:
     params = [seq.sampling or GREEDY for seq in sequences]
     if any(p.is_filtered and not p.is_greedy for p in params):
         return FILTERED_MODE
-    if any(not p.is_greedy or p.logprobs for p in params):
+    if any(not p.is_greedy or p.is_logprobs for p in params):
         return SAMPLE_MODE
     return GREEDY_MODE
 
@@ -3260,7 +3345,9 @@ def generate_sharded(engine: FlexInference, sequences: list[Sequence], group=Non
     same `sequences` and its own engine, generates a contiguous block of them, and gets all of them
     back filled in, in input order: the tokens of `engine.generate(sequences)` in one process, seeds
     included (`generate_shard`). `generate_kwargs` go to `engine.generate`. Without a process
-    group this is `engine.generate(sequences)`."""
+    group this is `engine.generate(sequences)`. Prompts may be given as `generate` takes them."""
+    sampling = generate_kwargs.get("sampling_params")
+    sequences = [engine.as_sequence(prompt, i, sampling) for i, prompt in enumerate(sequences)]
     generate_shard(engine, sequences, group, **generate_kwargs)
     return gather_outputs(sequences, group)
 
@@ -3321,6 +3408,8 @@ def make_trl_rollout_func(
 
 def sync_trainer_weights(engine: FlexInference, trainer_model: nn.Module) -> None:
     """Brings the engine's weights to the trainer's: re-merges the adapter, or copies every weight."""
+    if unwrap_causal_lm(trainer_model) is engine.causal_lm:
+        raise FlexInferenceError(TRAINERS_OWN_MODEL)
     is_peft = callable(getattr(trainer_model, "get_base_model", None))
     if engine.peft_model is not None:
         if engine.peft_model is not trainer_model:
@@ -3367,9 +3456,9 @@ def trl_sampling_params(trainer, base: SamplingParams, n: int) -> SamplingParams
         top_k=trainer.top_k or 0,
         min_p=trainer.min_p or 0.0,
         n=n,
-        max_new_tokens=trainer.max_completion_length,
+        max_tokens=trainer.max_completion_length,
         stop_token_ids=tuple(base.stop_token_ids) + tuple(trainer.eos_token_ids),
-        logprobs=True,
+        logprobs=0,
     )
 
 
@@ -4410,16 +4499,11 @@ def print_summary(stats: dict, args, is_random: bool) -> None:
 
 
 def quiet_libraries(is_quiet: bool) -> None:
-    """A CLI run's log: no transformers progress bars when quiet or not on a terminal, and no
-    bitsandbytes notice about an optional CPU kernel package (PEFT imports bitsandbytes; 4-bit runs
-    without that package)."""
-    import logging
-
+    """A CLI run's log: no transformers progress bars when quiet or not on a terminal."""
     from transformers.utils import logging as transformers_logging
 
     if is_quiet or not sys.stderr.isatty():
         transformers_logging.disable_progress_bar()
-    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
 def _say(args, line: str) -> None:

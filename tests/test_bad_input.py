@@ -29,6 +29,7 @@ LIMITS = [
     "--page_size", "16",
     "--quiet",
 ]  # fmt: skip
+ROOT = Path(__file__).resolve().parents[1]
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -539,3 +540,110 @@ def test_dummy_build_of_the_default_gemma4_says_its_size_before_building_unless_
         gemma4_flex_inference.main(argv)
     err = capsys.readouterr().err
     assert err == "", err
+
+
+# ---------------------------------------------------------------------------------------------
+# The library's prompts and models: one FlexInferenceError before any work
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def qwen3_engine(tiny_dir, qwen3_model):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir / "qwen3")
+    return FlexInference(qwen3_model, tokenizer, max_batch_size=2, max_seq_length=256, n_pages=64, page_size=16)
+
+
+@pytest.mark.parametrize(
+    "prompt, keywords",
+    [
+        (5, ("prompt 0 is int", "give a string, a chat")),
+        (None, ("prompt 0 is NoneType",)),
+        ([1.5, 2.0], ("prompt 0 is list", "token ids")),
+        ([{"role": "user"}], ("prompt 0 holds the message", "string role and content")),
+        ([{"role": "user", "content": 5}], ("prompt 0 holds the message",)),
+        ([3, 10**6], ("token ids from 3 to 1000000", "outside the vocabulary")),
+        ([-1, 3], ("token ids from -1 to 3", "outside the vocabulary")),
+        ([], ("has no tokens",)),
+    ],
+    ids=[
+        "int",
+        "none",
+        "floats",
+        "chat_without_content",
+        "chat_content_not_text",
+        "id_too_big",
+        "negative_id",
+        "empty",
+    ],
+)
+def test_a_prompt_that_is_not_text_a_chat_or_token_ids_is_refused_with_one_sentence(qwen3_engine, prompt, keywords):
+    with pytest.raises(FlexInferenceError) as info:
+        qwen3_engine.generate([prompt, [5, 6, 7]])
+    assert_one_sentence(str(info.value), *keywords)
+    with pytest.raises(FlexInferenceError) as info:
+        qwen3_engine.rollouts([prompt], qwen3_flex_inference.SamplingParams(n=2))
+    assert_one_sentence(str(info.value), *keywords)
+
+
+def test_text_or_a_chat_without_a_tokenizer_or_chat_template_is_refused_with_one_sentence(qwen3_model):
+    engine = FlexInference(qwen3_model, None, max_batch_size=2, max_seq_length=256, n_pages=64, page_size=16)
+    with pytest.raises(FlexInferenceError) as info:
+        engine.generate(["hi"])
+    assert_one_sentence(str(info.value), "no tokenizer", "token ids")
+
+    class NoTemplate:
+        chat_template = None
+
+    engine.tokenizer = NoTemplate()
+    with pytest.raises(FlexInferenceError) as info:
+        engine.rollouts([[{"role": "user", "content": "hi"}]], qwen3_flex_inference.SamplingParams(n=2))
+    assert_one_sentence(str(info.value), "no chat template")
+
+
+def test_refresh_lora_without_a_peft_model_is_refused_with_one_sentence(qwen3_engine):
+    with pytest.raises(FlexInferenceError) as info:
+        qwen3_engine.refresh_lora()
+    assert_one_sentence(str(info.value), "no LoRA adapter", "peft_model=", "load_weights")
+
+
+def test_the_trainers_own_model_handed_to_the_engine_is_refused_before_any_patch(tiny_dir):
+    """FlexInference(policy, peft_model=policy, base_model=policy) would patch the trainer's modules
+    (its backward then fails in skinny_linear) and merge into the pristine copy; a rollout_func whose
+    engine runs the trainer's model is refused at its first sync."""
+    from conftest import load_hf
+    from peft import LoraConfig, get_peft_model
+
+    policy = get_peft_model(load_hf(tiny_dir / "qwen3"), LoraConfig(r=4, target_modules=LORA_TARGETS))
+    forwards = {name: module.forward for name, module in policy.named_modules()}
+    limits = dict(max_batch_size=2, max_seq_length=256, n_pages=64, page_size=16)
+    with pytest.raises(FlexInferenceError) as info:
+        FlexInference(policy, None, peft_model=policy, base_model=policy, **limits)
+    assert_one_sentence(str(info.value), "trainer's own model", "a copy of its own")
+    assert {name: module.forward for name, module in policy.named_modules()} == forwards, "a module was patched"
+
+    engine = FlexInference(policy, None, peft_model=policy, **limits)  # inference on a PEFT model: allowed
+    with pytest.raises(FlexInferenceError) as info:
+        qwen3_flex_inference.sync_trainer_weights(engine, policy)
+    assert_one_sentence(str(info.value), "trainer's own model")
+
+
+def test_a_long_prompt_gets_the_engines_sentence_and_no_tokenizer_warning(qwen3_engine, capfd, monkeypatch):
+    text = "word " * 5000
+    monkeypatch.setattr(qwen3_engine.tokenizer, "model_max_length", 64)
+    with pytest.raises(FlexInferenceError) as info:
+        qwen3_engine.generate([text])
+    assert_one_sentence(str(info.value), "max_seq_length is 256")
+    captured = capfd.readouterr()
+    assert "Token indices sequence length" not in captured.err + captured.out, captured.err[-500:]
+
+
+def test_importing_the_engine_then_peft_prints_no_bitsandbytes_kernels_notice():
+    import subprocess
+    import sys
+
+    probe = "import qwen3_flex_inference, peft, bitsandbytes"
+    run = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "kernels" not in run.stderr, run.stderr[-2000:]

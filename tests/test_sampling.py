@@ -2,6 +2,7 @@
 tokens, their log-probs, seeds that fix the draws whatever the batch, n completions on shared
 prompt pages, stop ids, and weight refreshes between rollouts."""
 
+import dataclasses
 import math
 
 import pytest
@@ -256,19 +257,72 @@ def test_text_prompts_get_the_bos_token_exactly_once(tiny_dir):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"temperature": -0.5}, "temperature must be at least 0"),
+        ({"temperature": -0.5}, "temperature must be a finite number of at least 0"),
+        ({"temperature": math.inf}, "temperature must be a finite number"),
+        ({"temperature": math.nan}, "temperature must be a finite number"),
         ({"top_p": 0.0}, "top_p must be in"),
         ({"top_p": 1.5}, "top_p must be in"),
         ({"top_k": -1}, "top_k must be at least 0"),
         ({"min_p": 2.0}, "min_p must be in"),
         ({"n": 0}, "n must be at least 1"),
-        ({"max_new_tokens": 0}, "max_new_tokens must be at least 1"),
+        ({"max_new_tokens": 0}, "max_tokens must be at least 1"),
+        ({"max_tokens": 0}, "max_tokens must be at least 1"),
+        ({"max_tokens": 8, "max_new_tokens": 16}, "are one setting"),
+        ({"logprobs": 1}, "only the sampled token's log-prob"),
+        ({"logprobs": 5}, "only the sampled token's log-prob"),
+        ({"logprobs": -1}, "logprobs must be None or 0"),
     ],
 )
 def test_bad_sampling_params_are_refused_with_one_sentence(kwargs, message):
     with pytest.raises(ValueError, match=message) as info:
         SamplingParams(**kwargs)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs, max_tokens, is_logprobs",
+    [
+        ({"max_tokens": 16}, 16, False),
+        ({"max_new_tokens": 16}, 16, False),
+        ({"max_tokens": 16, "max_new_tokens": 16}, 16, False),
+        ({"logprobs": 0}, None, True),
+        ({"logprobs": True}, None, True),
+        ({"logprobs": None}, None, False),
+        ({"logprobs": False}, None, False),
+    ],
+)
+def test_sampling_params_take_vllms_max_tokens_and_logprobs_and_hfs_max_new_tokens(kwargs, max_tokens, is_logprobs):
+    params = SamplingParams(**kwargs)
+    assert (params.max_tokens, params.is_logprobs) == (max_tokens, is_logprobs), f"{kwargs=} {params=}"
+    copy = dataclasses.replace(params, max_tokens=4)  # TRL's adapter and rollouts copy params so
+    assert (copy.max_tokens, copy.is_logprobs) == (4, is_logprobs), f"{copy=}"
+
+
+def test_strings_chats_and_token_ids_go_in_as_vllm_takes_them_and_give_the_same_completion(qwen3):
+    """generate takes a string (raw text), a chat (the chat template with the generation prompt) and
+    token ids alike, with vLLM's SamplingParams; rollouts takes chats too."""
+    from transformers import AutoTokenizer
+
+    from qwen3_flex_inference import tokenize_prompt
+
+    tokenizer = AutoTokenizer.from_pretrained(qwen3["path"])
+    engine = make_engine(qwen3["path"], model=qwen3["engine"].model)
+    engine.tokenizer = tokenizer
+    chat = [{"role": "user", "content": "What is 2 + 3?"}]
+    text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    ids = tokenize_prompt(tokenizer, text)
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=6, logprobs=0, ignore_eos=True)
+    as_chat, as_text, as_ids = engine.generate([chat, text, ids], params)
+    for name, seq in [("chat", as_chat), ("text", as_text), ("ids", as_ids)]:
+        assert isinstance(seq, Sequence) and seq.input_ids == ids, f"{name}: {seq.input_ids=} {ids=}"
+        assert seq.output_ids == as_ids.output_ids and len(seq.output_ids) == 6, f"{name}: {seq.output_ids=}"
+        assert len(seq.output_logprobs) == 6 and seq.output_logprobs == as_ids.output_logprobs, f"{name}"
+    [group] = engine.rollouts([chat], dataclasses.replace(params, n=2))
+    assert group[0].input_ids == ids and group[0].output_ids == as_ids.output_ids, f"{group[0].output_ids=}"
+    err = max(abs(a - b) for a, b in zip(group[0].output_logprobs, as_ids.output_logprobs))
+    assert err < 1e-5, f"{err=}"  # another batch: the same draws, log-probs within rounding
+    [greedy] = engine.generate(["What is 2 + 3?"])
+    assert greedy.finish_reason in ("stop", "length") and greedy.output_ids and not greedy.output_logprobs
 
 
 def test_a_sequence_asking_for_n_completions_is_sent_to_rollouts(qwen3):
