@@ -450,84 +450,63 @@ class FlexInference:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
     def _generate(self, sequences: list[Sequence], use_graph: bool, progress: bool) -> list[Sequence]:
-        """The loop: admit and prefill, one decode step for every running sequence, retire.
+        """The loop, nano-vllm's step in two kinds: a prefill step admits what fits and samples each
+        new sequence's first token; a decode step samples one token for every running sequence.
 
         While the running set stays the same, each decode step is queued before the previous
         one's tokens are read, so the host's bookkeeping overlaps the GPU's work.
         """
-        scheduler, runner = self.scheduler, self.runner
-        scheduler.add(sequences)
+        self.scheduler.add(sequences)
+        meter = StepMeter(sum(seq.max_new_tokens for seq in sequences), progress)
         launch: DecodeLaunch | None = None  # a decode step queued but not read yet
-        bar = _progress_bar(sum(s.max_new_tokens for s in sequences), progress)
-        num_prefill_tokens = num_decode_tokens = 0
-        prefill_s = decode_s = 0.0
-        while not scheduler.is_done:
+        while not self.scheduler.is_done:
             if launch is None:
-                admitted, forks = scheduler.admit(scheduler.max_prefill_tokens)
-                if admitted:
-                    start = time.perf_counter()
-                    logits_NV = runner.prefill(admitted)
-                    rows = admitted + [fork for fork, _ in forks]
-                    if forks:  # a fork's first token comes from its prompt's last logits
-                        runner.copy_partial_pages(forks)
-                        source_rows = [
-                            next(i for i, seq in enumerate(admitted) if seq is source) for _, source in forks
-                        ]
-                        logits_NV = torch.cat([logits_NV, logits_NV[source_rows]])
-                    next_ids, logprobs = runner.sample(logits_NV, rows)  # the one device->host sync of a prefill
-                    prefill_s += time.perf_counter() - start
-                    num_prefill_tokens += sum(seq.seq_len for seq in admitted)
-                    for i, seq in enumerate(rows):
-                        self._append(seq, next_ids[i], None if logprobs is None else logprobs[i], logits_NV[i])
-                    scheduler.run(rows)
-                    bar.update(len(rows))
-                scheduler.retire()
-                scheduler.reserve_or_preempt()
-                if not scheduler.running:  # all finished, or the only sequence gave its pages back
-                    continue
-                start = time.perf_counter()
-                launch = runner.launch_decode(scheduler.running, use_graph)
+                self._prefill_step(meter)
+                launch = self._launch_decode(use_graph, meter)
             else:
-                start = time.perf_counter()
-            next_launch = runner.launch_decode(scheduler.running, use_graph, launch) if scheduler.can_chain() else None
-            next_ids, logprobs = launch.read()
-            decode_s += time.perf_counter() - start
-            num_appended = 0
-            for i, seq in enumerate(launch.rows):
-                if not seq.finished:  # a row that finished a step earlier rode along in a chained step
-                    logprob = None if logprobs is None else logprobs[i]
-                    self._append(seq, next_ids[i], logprob, None if launch.logits_BV is None else launch.logits_BV[i])
-                    num_appended += 1
-            num_decode_tokens += num_appended
-            bar.update(num_appended)
-            launch = next_launch
-            if launch is None:
-                scheduler.retire()
-            bar.set_postfix_str(
-                f"prefill {num_prefill_tokens / max(prefill_s, 1e-9):.0f} tok/s, "
-                f"decode {num_decode_tokens / max(decode_s, 1e-9):.0f} tok/s"
-            )
-        bar.close()
-        self.timings.update(
-            prefill_s=prefill_s,
-            decode_s=decode_s,
-            num_prefill_tokens=num_prefill_tokens,
-            num_decode_tokens=num_decode_tokens,
-        )
+                launch = self._decode_step(launch, use_graph, meter)
+        meter.close()
+        self.timings.update(meter.timings())
         return sequences
 
-    def _append(self, seq: Sequence, token: int, logprob: float | None, logits_V: torch.Tensor | None) -> None:
-        """Tokens out: one generated token (and its log-prob, when asked for); the sequence
-        finishes at one of its end ids or its length limit."""
-        seq.output_ids.append(token)
-        if seq.sampling is not None and seq.sampling.is_logprobs:
-            seq.output_logprobs.append(logprob)
-        if seq.record_logits:
-            seq.output_logits.append(logits_V.detach().float().cpu())
-        if token in seq.end_ids:
-            seq.finished, seq.finish_reason = True, "stop"
-        elif len(seq.output_ids) >= seq.max_new_tokens or seq.seq_len >= self.max_seq_length:
-            seq.finished, seq.finish_reason = True, "length"
+    def _prefill_step(self, meter: StepMeter) -> None:
+        """Admits the waiting sequences that fit, prefills them (forks share their source's prompt)
+        and takes each one's first token; then frees the finished and makes room for the next token."""
+        scheduler = self.scheduler
+        admitted, forks = scheduler.admit(scheduler.max_prefill_tokens)
+        if admitted:
+            start = time.perf_counter()
+            rows = admitted + [fork for fork, _ in forks]
+            logits_NV = self.runner.prefill_with_forks(admitted, forks)
+            next_ids, logprobs = self.runner.sample(logits_NV, rows)  # the one device->host sync of a prefill
+            scheduler.postprocess(rows, next_ids, logprobs, logits_NV)
+            scheduler.run(rows)
+            meter.prefilled(sum(seq.seq_len for seq in admitted), len(rows), time.perf_counter() - start)
+        scheduler.retire()
+        scheduler.reserve_or_preempt()
+
+    def _launch_decode(self, use_graph: bool, meter: StepMeter) -> DecodeLaunch | None:
+        """Queues a decode step for the running sequences (None when none runs: all finished, or
+        the only one gave its pages back)."""
+        if not self.scheduler.running:
+            return None
+        start = time.perf_counter()
+        launch = self.runner.launch_decode(self.scheduler.running, use_graph)
+        meter.decoded(0, time.perf_counter() - start)
+        return launch
+
+    def _decode_step(self, launch: DecodeLaunch, use_graph: bool, meter: StepMeter) -> DecodeLaunch | None:
+        """Reads `launch`'s tokens into its sequences, having queued the next step first when the
+        same sequences go on (`Scheduler.can_chain`); returns that step, or None after retiring."""
+        scheduler = self.scheduler
+        start = time.perf_counter()
+        next_launch = self.runner.launch_decode(scheduler.running, use_graph, launch) if scheduler.can_chain() else None
+        next_ids, logprobs = launch.read()
+        num_taken = scheduler.postprocess(launch.rows, next_ids, logprobs, launch.logits_BV)
+        meter.decoded(num_taken, time.perf_counter() - start)
+        if next_launch is None:
+            scheduler.retire()
+        return next_launch
 
     @torch.inference_mode()
     def score(self, token_ids: list[list[int]]) -> list[torch.Tensor]:
@@ -636,12 +615,43 @@ class FlexInference:
             self.refresh_lora()
 
 
-def _progress_bar(total: int, enabled: bool):
-    from tqdm.auto import tqdm
+class StepMeter:
+    """A run's token counts and times by step kind, and its progress bar (tqdm, off without a
+    terminal or unless asked for)."""
 
-    return tqdm(
-        total=total, disable=None if enabled else True, unit="tok", dynamic_ncols=True, leave=False
-    )  # None: off without a terminal
+    def __init__(self, total_tokens: int, progress: bool):
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(
+            total=total_tokens, disable=None if progress else True, unit="tok", dynamic_ncols=True, leave=False
+        )
+        self.num_prefill_tokens = self.num_decode_tokens = 0
+        self.prefill_s = self.decode_s = 0.0
+
+    def prefilled(self, num_prompt_tokens: int, num_new_tokens: int, seconds: float) -> None:
+        self.num_prefill_tokens += num_prompt_tokens
+        self.prefill_s += seconds
+        self.bar.update(num_new_tokens)
+
+    def decoded(self, num_new_tokens: int, seconds: float) -> None:
+        self.num_decode_tokens += num_new_tokens
+        self.decode_s += seconds
+        self.bar.update(num_new_tokens)
+        self.bar.set_postfix_str(
+            f"prefill {self.num_prefill_tokens / max(self.prefill_s, 1e-9):.0f} tok/s, "
+            f"decode {self.num_decode_tokens / max(self.decode_s, 1e-9):.0f} tok/s"
+        )
+
+    def close(self) -> None:
+        self.bar.close()
+
+    def timings(self) -> dict:
+        return dict(
+            prefill_s=self.prefill_s,
+            decode_s=self.decode_s,
+            num_prefill_tokens=self.num_prefill_tokens,
+            num_decode_tokens=self.num_decode_tokens,
+        )
 
 
 def completion_groups(prompts: list[Sequence], params: SamplingParams, base_seed: int) -> list[list[Sequence]]:
@@ -878,13 +888,42 @@ class Scheduler:
             victim.num_preemptions += 1
             self.waiting.appendleft(victim)
 
+    def postprocess(self, sequences: list[Sequence], token_ids: list[int], logprobs, logits_NV=None) -> int:
+        """Tokens out: each unfinished sequence takes its row's token (and its log-prob when it asks
+        for them, its logits when it records them) and finishes at one of its end ids or its length
+        limit. A row that finished a step earlier, riding along in a chained step, takes nothing.
+        Returns the number of tokens taken."""
+        num_taken = 0
+        for i, seq in enumerate(sequences):
+            if seq.finished:
+                continue
+            seq.output_ids.append(token_ids[i])
+            if seq.sampling is not None and seq.sampling.is_logprobs:
+                seq.output_logprobs.append(logprobs[i])
+            if seq.record_logits:
+                seq.output_logits.append(logits_NV[i].detach().float().cpu())
+            if token_ids[i] in seq.end_ids:
+                seq.finished, seq.finish_reason = True, "stop"
+            elif self.is_at_length_limit(seq):
+                seq.finished, seq.finish_reason = True, "length"
+            num_taken += 1
+        return num_taken
+
+    def is_at_length_limit(self, seq: Sequence, num_more_tokens: int = 0) -> bool:
+        """The length rule: whether `seq`, after `num_more_tokens` more, holds its max_new_tokens
+        new tokens or max_seq_length tokens in all."""
+        return (
+            len(seq.output_ids) + num_more_tokens >= seq.max_new_tokens
+            or seq.seq_len + num_more_tokens >= self.max_seq_length
+        )
+
     def can_chain(self) -> bool:
         """Whether the next decode step can be queued before the current one's tokens are read:
         the same sequences go on, as none has finished, none reaches its length limit with the
         current step's token, every one's next position fits its pages, and no waiting sequence
         could start instead."""
         for seq in self.running:
-            if seq.finished or len(seq.output_ids) + 1 >= seq.max_new_tokens or seq.seq_len + 1 >= self.max_seq_length:
+            if seq.finished or self.is_at_length_limit(seq, 1):
                 return False
             # the chained step writes the K/V of the token the current step samples, at position seq_len
             if not self.pages_fit(seq, seq.seq_len):
@@ -1396,6 +1435,16 @@ class ModelRunner:
         input_ids_1T, position_ids_1T, step = self.pack(sequences)
         last_positions_N = torch.tensor(sequences_last_positions(sequences), device=self.device)
         return self.logits(self.prefill_hidden(input_ids_1T, position_ids_1T, step, last_positions_N)[0])
+
+    def prefill_with_forks(self, admitted: list[Sequence], forks: list[tuple[Sequence, Sequence]]) -> torch.Tensor:
+        """Prefills the `admitted` sequences; each fork (sequence, its prompt's source) gets its
+        source's partial last page and last logits. Returns the logits of admitted + forks [N, V]."""
+        logits_NV = self.prefill(admitted)
+        if not forks:
+            return logits_NV
+        self.copy_partial_pages(forks)
+        source_rows = [next(i for i, seq in enumerate(admitted) if seq is source) for _, source in forks]
+        return torch.cat([logits_NV, logits_NV[source_rows]])
 
     def sample(self, logits_NV: torch.Tensor, sequences: list[Sequence]) -> tuple[list[int], list[float] | None]:
         """Each sequence's next token from its logits row, and its log-prob (None when no row

@@ -513,12 +513,11 @@ def test_random_admit_grow_preempt_retire_keeps_every_invariant(windows):
     pending = [make_seq(rng.randint(1, 60), max_new_tokens=rng.randint(1, 70)) for _ in range(40)]
     everyone = list(pending)
 
-    def append(seq: Sequence) -> None:  # the engine's _append, with a rare end id
-        seq.output_ids.append(end_id if rng.random() < 0.02 else 5)
-        if seq.output_ids[-1] == end_id or len(seq.output_ids) >= seq.max_new_tokens:
-            seq.finished = True
-        elif seq.seq_len >= max_seq_length:
-            seq.finished = True
+    for seq in everyone:
+        seq.end_ids = frozenset({end_id})
+
+    def step(sequences: list[Sequence]) -> None:  # a step's tokens, a rare end id among them
+        scheduler.postprocess(sequences, [end_id if rng.random() < 0.02 else 5 for _ in sequences], None)
 
     def check(where: str, after_reserve: bool = False) -> None:
         check_pools(scheduler)
@@ -544,7 +543,7 @@ def test_random_admit_grow_preempt_retire_keeps_every_invariant(windows):
         admitted = admit(scheduler, rng.choice([None, 64, 128]))
         for seq in admitted:
             check_covers(scheduler, seq, seq.seq_len)
-            append(seq)  # the prefill's token
+        step(admitted)  # the prefill's tokens
         scheduler.run(admitted)
         check("admit")
         scheduler.retire()
@@ -552,8 +551,7 @@ def test_random_admit_grow_preempt_retire_keeps_every_invariant(windows):
         scheduler.reserve_or_preempt()
         check("reserve_or_preempt", after_reserve=True)
         assert all(not s.finished for s in scheduler.running), "a finished sequence still runs"
-        for seq in scheduler.running:  # one decode step
-            append(seq)
+        step(scheduler.running)  # one decode step
         if rng.random() < 0.5:
             scheduler.retire()
             check("retire after decode")
@@ -563,7 +561,77 @@ def test_random_admit_grow_preempt_retire_keeps_every_invariant(windows):
     for seq in everyone:
         assert seq.finished and seq.batch_idx == -1, f"{seq.finished=} {seq.batch_idx=}"
         assert len(seq.output_ids) <= seq.max_new_tokens and seq.seq_len <= max_seq_length, f"{seq.seq_len=}"
+        is_stopped = seq.output_ids[-1] == end_id
+        assert seq.finish_reason == ("stop" if is_stopped else "length"), f"{seq.finish_reason=} {seq.output_ids[-3:]=}"
+    assert {seq.finish_reason for seq in everyone} == {"stop", "length"}, "the run never ended both ways"
     all_free(scheduler, max_batch_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# postprocess: tokens out, and the one length rule
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "prompt_len, max_new_tokens, tokens, want_len, want_reason",
+    [
+        (10, 5, [5, 6, 7, 8, 9, 4], 5, "length"),  # max_new_tokens
+        (10, 5, [5, 2, 7], 2, "stop"),  # an end id is kept and finishes it
+        (10, 5, [5, 6, 7, 8, 2], 5, "stop"),  # an end id at the limit says stop
+        (120, 50, [5] * 20, 8, "length"),  # max_seq_length (128) in all
+        (127, 50, [5, 6], 1, "length"),  # one token from max_seq_length: the prefill's finishes it
+    ],
+)
+def test_postprocess_finishes_a_sequence_at_an_end_id_or_its_length_limit(
+    prompt_len, max_new_tokens, tokens, want_len, want_reason
+):
+    scheduler = make_scheduler(max_seq_length=128)
+    seq = make_seq(prompt_len, max_new_tokens)
+    seq.end_ids = frozenset({2})
+    for token in tokens:
+        assert scheduler.postprocess([seq], [token], None) == 1
+        if seq.finished:
+            break
+    assert (len(seq.output_ids), seq.finish_reason) == (want_len, want_reason), (
+        f"{seq.output_ids=} {seq.finish_reason=}"
+    )
+    assert scheduler.postprocess([seq], [5], None) == 0 and len(seq.output_ids) == want_len, (
+        "a finished row took a token"
+    )
+
+
+def test_postprocess_records_log_probs_and_logits_only_for_sequences_that_ask():
+    from qwen3_flex_inference import SamplingParams
+
+    scheduler = make_scheduler()
+    plain, with_logprobs, with_logits = make_seq(4), make_seq(4), make_seq(4)
+    with_logprobs.sampling = SamplingParams(logprobs=0)
+    with_logits.record_logits = True
+    logits_NV = torch.arange(12.0).reshape(3, 4)
+    num_taken = scheduler.postprocess([plain, with_logprobs, with_logits], [7, 8, 9], [-0.5, -1.5, -2.5], logits_NV)
+    assert num_taken == 3 and [s.output_ids for s in (plain, with_logprobs, with_logits)] == [[7], [8], [9]]
+    assert (plain.output_logprobs, with_logprobs.output_logprobs, with_logits.output_logprobs) == ([], [-1.5], [])
+    assert not plain.output_logits and torch.equal(with_logits.output_logits[0], logits_NV[2])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_can_chain_agrees_with_the_length_rule_postprocess_applies(seed):
+    """A chained step is queued only when every running sequence takes its current token without
+    finishing by length: can_chain and postprocess read one rule."""
+    rng = random.Random(seed)
+    scheduler = make_scheduler(max_batch_size=3, max_seq_length=64, n_pages=16)
+    seqs = [make_seq(rng.randint(1, 30), rng.randint(1, 20)) for _ in range(3)]
+    scheduler.add(seqs)
+    scheduler.run(admit(scheduler))
+    assert not scheduler.waiting and len(scheduler.running) == 3
+    while scheduler.running:
+        scheduler.reserve_or_preempt()
+        is_chained = scheduler.can_chain()
+        pages_fit = all(scheduler.pages_fit(seq, seq.seq_len) for seq in scheduler.running)
+        scheduler.postprocess(scheduler.running, [5] * len(scheduler.running), None)
+        finished_by_length = [seq.seq_len for seq in scheduler.running if seq.finish_reason == "length"]
+        assert is_chained == (pages_fit and not finished_by_length), f"{is_chained=} {pages_fit=} {finished_by_length=}"
+        scheduler.retire()
 
 
 def test_batch_slots_never_hand_out_slot_zero():
