@@ -647,3 +647,11 @@ def test_importing_the_engine_then_peft_prints_no_bitsandbytes_kernels_notice():
     run = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "kernels" not in run.stderr, run.stderr[-2000:]
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "-1"])
+def test_cli_temperature_that_is_not_a_finite_number_of_at_least_0_exits_naming_the_flag(
+    tiny_dir, value, loading_fails
+):
+    message = exit_message(qwen3_flex_inference, cli_argv(tiny_dir / "qwen3", "--temperature", value))
+    assert_one_sentence(message, "--temperature must be a finite number")
