@@ -47,7 +47,9 @@ def main(spec_path: str) -> None:
         except ValueError as error:
             results[case] = {"error": str(error)}
             continue
-        assert returned is sequences, "generate_sharded did not return the list it was given"
+        assert len(returned) == len(sequences) and all(a is b for a, b in zip(returned, sequences)), (
+            "generate_sharded did not return the sequences it was given, in order"
+        )
         # The reference: every prompt generated here alone, with no process group involved.
         engine.seeds.setstate(engine_seeds)
         single_process = engine.generate([Sequence(input_ids=ids, sampling=sampling) for ids in prompts])
