@@ -115,12 +115,7 @@ def kv_store_layers(config) -> list[int]:
 
 
 def gemma4_attention_forward(self, hidden_states, position_embeddings, attention_mask=None, layer_step=None, **kwargs):
-    """Replaces Gemma4TextAttention.forward: HF's projections and norms, paged flex attention.
-    Called outside the engine (no `layer_step`), it is HF's own forward."""
-    if layer_step is None:
-        return type(self).forward(
-            self, hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask, **kwargs
-        )
+    """Replaces Gemma4TextAttention.forward: HF's projections and norms, paged flex attention."""
     input_shape = hidden_states.shape[:-1]  # [B, S]
     hidden_shape = (*input_shape, -1, self.head_dim)
     cos, sin = position_embeddings
@@ -165,13 +160,13 @@ class Gemma4ModelRunner(ModelRunner):
     def patch_attention(self) -> None:
         for attn, cache_layer_idx in zip(self.attention_layers(), kv_store_layers(self.config)):
             attn.kv_cache_layer_idx = cache_layer_idx
-            attn.forward = gemma4_attention_forward.__get__(attn)
+            self.patches.replace_forward(attn, gemma4_attention_forward.__get__(attn))
 
     def embed(self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """Embeddings (scaled) [B, S, hidden]; the layer inputs: PLE [B, S, layers, ple_dim] and
         each regime's RoPE cos/sin."""
         decoder = self.decoder
-        hidden_BSE = decoder.embed_tokens(input_ids_BS)
+        hidden_BSE = decoder.embed_tokens.forward(input_ids_BS)  # not __call__: no trainer hook
         per_layer_inputs_BSLP = None
         if decoder.hidden_size_per_layer_input:
             per_layer_inputs_BSLP = decoder.project_per_layer_inputs(

@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import dataclasses
+import functools
 import hashlib
 import importlib.util
 import itertools
@@ -53,6 +55,7 @@ import urllib.parse
 import urllib.request
 import warnings
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -170,12 +173,13 @@ class SamplingParams:
 
 
 GREEDY = SamplingParams(temperature=0.0)
-# NOTE: the engine patches its model's modules (fused, skinny or unmerged-LoRA forwards) and merges
-# the adapter into its weights; on the trainer's own model that breaks the backward ("no autograd
-# formula for flex_inference.skinny_linear") and the pristine copy.
+# NOTE: a merged adapter is rebuilt as pristine + delta into the engine's model, and fused projections
+# replace its weights by views of one fused tensor: neither may happen to a trainer's own model.
 TRAINERS_OWN_MODEL = (
-    "the engine was given the trainer's own model to run: it patches and merges into its model, so give "
-    "it a copy of its own (load the checkpoint again) and the trainer's model as peft_model= and base_model="
+    "the engine would rewrite the trainer's own model (a merged adapter, fused projections, or base_model= "
+    "the engine's model): for zero copy give the trainer's model as model= (and its PEFT model as "
+    "peft_model=) without merge_lora or fuse_projections; else give the engine a copy of its own as model= "
+    "and the trainer's model as peft_model= and base_model="
 )
 # How a decode step picks its rows' tokens (sampling_mode): each mode is its own graph per bucket.
 GREEDY_MODE, SAMPLE_MODE, FILTERED_MODE = "greedy", "sample", "filtered"
@@ -221,9 +225,19 @@ class FlexInference:
     copy (`refresh_lora()` after every optimizer step); `base_model`, if given, holds those pristine
     weights already (e.g. a trainer's frozen base) so nothing is copied. 4-bit targets (or
     `merge_lora=False`) take the adapter unmerged instead: beside each target, from the engine's own
-    copy of A and B, refreshed in place; the base weights are never written. `n_pages`
-    None sizes the KV pool to the device (`kv_pool_pages`); a pool larger than the device's free
-    memory is refused before it is allocated.
+    copy of A and B, refreshed in place; the base weights are never written.
+
+    Zero copy: `model` is the trainer's own PEFT model (its adapter trains) and `peft_model` that
+    model. The engine then shares every weight with the trainer and applies the adapter unmerged
+    from the trainer's live A and B, which the optimizer updates in place: no second copy, no
+    refresh, no recapture. Its patches are in place only inside its own calls, so the trainer's
+    forward and backward are HF's own. Fused projections and a merged adapter rewrite weights and
+    need a copy of their own. For full fine-tuning, the trainer's model as `model` (no peft_model)
+    shares its weights the same way.
+
+    `n_pages` None sizes the KV pool to the device (`kv_pool_pages`); a pool larger than the
+    device's free memory is refused before it is allocated. `enable_sleep_mode` lets `sleep()` give
+    the pool's memory back while a trainer trains, and `wake_up()` take it again, CUDA graphs intact.
     """
 
     runner_class: type | None = None  # None: ModelRunner (Qwen3, Llama); FlexGemma4Inference sets its own
@@ -249,12 +263,27 @@ class FlexInference:
         seed: int = 0,
         merge_lora: bool | None = None,
         decode_attention: str | None = None,
+        enable_sleep_mode: bool = False,
     ):
         check_engine_limits(max_batch_size, max_seq_length, n_pages, page_size, max_new_tokens)
         self.model = model
         self.causal_lm = unwrap_causal_lm(model)
-        if base_model is not None and unwrap_causal_lm(base_model) is self.causal_lm:
+        # zero copy: the model is a trainer's (its adapter trains), so the engine shares it and never writes it
+        self.is_zero_copy = (
+            peft_model is not None
+            and unwrap_causal_lm(peft_model) is self.causal_lm
+            and is_adapter_training(peft_model)
+        )
+        self.fuse_projections = fuse_projections
+        if base_model is not None and unwrap_causal_lm(base_model) is self.causal_lm and not self.is_zero_copy:
             raise FlexInferenceError(TRAINERS_OWN_MODEL)
+        if self.is_zero_copy and (merge_lora or fuse_projections):
+            raise FlexInferenceError(
+                "the engine runs the trainer's own model (zero copy), whose weights it never writes: "
+                f"{'merge_lora' if merge_lora else 'fuse_projections'} needs a copy of the model of its own "
+                "(load the checkpoint again as model=, with the trainer's model as peft_model= and base_model=)",
+                "merge_lora" if merge_lora else "fuse_projections",
+            )
         self.config = self.causal_lm.config
         self.tokenizer = tokenizer
         self.max_seq_length = max_seq_length
@@ -262,7 +291,11 @@ class FlexInference:
         self.end_ids = end_token_ids(self.causal_lm, tokenizer)
         self.vocab_size = self.causal_lm.get_input_embeddings().num_embeddings
         device = next(self.causal_lm.parameters()).device
-        self.merge_lora = peft_model is not None and resolve_merge_lora(merge_lora, self.causal_lm, peft_model)
+        self.merge_lora = (
+            peft_model is not None
+            and not self.is_zero_copy
+            and resolve_merge_lora(merge_lora, self.causal_lm, peft_model)
+        )
         if fuse_projections and peft_model is not None and not self.merge_lora:
             raise FlexInferenceError(
                 "fuse_projections needs merged LoRA weights; an unmerged adapter runs beside each projection",
@@ -300,6 +333,7 @@ class FlexInference:
             skinny_gemms=skinny_gemms,
             is_lora_merged=self.merge_lora,
             decode_attention=decode_attention,
+            is_sleep_mode=enable_sleep_mode,
         )
         self.timings: dict[str, float] = {}
         self.seeds = random.Random(seed)  # the seeds of sequences that bring none
@@ -312,7 +346,9 @@ class FlexInference:
                 self.lora_targets = lora_target_weights(self.causal_lm, peft_model)
                 self.pristine_lora_weights = snapshot_pristine_lora_weights(self.lora_targets, base_model)
             else:
-                self.unmerged_lora = attach_unmerged_lora(self.causal_lm, peft_model)
+                self.unmerged_lora = attach_unmerged_lora(
+                    self.causal_lm, peft_model, self.runner.patches, self.is_zero_copy
+                )
             self.refresh_lora()
 
     def prepare(self, sequences: list[Sequence]) -> None:
@@ -383,11 +419,12 @@ class FlexInference:
         `shard` (data parallel, `generate_shard`): every sequence is prepared (checked, seeded by its
         index in `prompts`), only sequences[shard] are generated, and that block is returned.
         """
+        self.check_awake()
         sequences = [self.as_sequence(prompt, i, sampling_params) for i, prompt in enumerate(prompts)]
         self.prepare(sequences)
         if shard is not None:
             sequences = sequences[shard]
-        with compile_settings():
+        with compile_settings(), self.runner.patches.installed():
             if capture_cudagraph:
                 # every mode a step can take: a step's mode is the most demanding of its rows'
                 self.capture_cuda_graphs(modes=sorted({sampling_mode([seq]) for seq in sequences}))
@@ -512,11 +549,12 @@ class FlexInference:
     def score(self, token_ids: list[list[int]]) -> list[torch.Tensor]:
         """Teacher-forced logits [len, V] (float32, CPU) for each token list, through packed
         prefills of as many lists as the free slots and pages hold."""
+        self.check_awake()
         waiting = [Sequence(input_ids=list(ids)) for ids in token_ids]
         self.scheduler.add(waiting)
         logits = []
         try:
-            with compile_settings():
+            with compile_settings(), self.runner.patches.installed():
                 while self.scheduler.waiting:
                     batch, _ = self.scheduler.admit()
                     if not batch:
@@ -536,16 +574,34 @@ class FlexInference:
     def capture_cuda_graphs(self, buckets: list[int] | None = None, modes=(GREEDY_MODE,)) -> None:
         """One CUDA graph per decode batch bucket (default: all) and sampling mode (default:
         greedy), largest first, in one memory pool."""
+        self.check_awake()
         start = time.perf_counter()
-        with compile_settings():
+        with compile_settings(), self.runner.patches.installed():
             graph_s = self.runner.capture_cuda_graphs(buckets, modes)
         if graph_s:
             self.timings["capture_s"] = time.perf_counter() - start
             self.timings["capture_s_per_graph"] = {f"{bucket} {mode}": s for (bucket, mode), s in graph_s.items()}
 
+    def sleep(self) -> None:
+        """Gives the KV pool's memory back to the device (a trainer's step can use it) until
+        `wake_up`; the weights, compiled kernels and CUDA graphs (and their memory pool) stay."""
+        if not self.runner.kv_memory.is_sleep_mode:
+            raise FlexInferenceError("sleep needs an engine built with enable_sleep_mode=True", "enable_sleep_mode")
+        self.runner.kv_memory.sleep()
+
+    def wake_up(self) -> None:
+        """Takes the KV pool's memory again (at the same device addresses: the CUDA graphs stay valid)."""
+        self.runner.kv_memory.wake_up()
+
+    def check_awake(self) -> None:
+        if self.runner.kv_memory.is_asleep:
+            raise FlexInferenceError("the engine is asleep (its KV pool given back): call wake_up() first")
+
     def refresh_lora(self) -> None:
         """Brings the PEFT model's current adapter into the engine, in place: re-merged from the
-        pristine weights, or copied beside them when unmerged."""
+        pristine weights, or copied beside them when unmerged. Zero copy reads the adapter itself:
+        nothing to bring, unless the trainer replaced its tensors (then the engine reads the new
+        ones, and its CUDA graphs are captured again)."""
         if self.peft_model is None:
             raise FlexInferenceError(
                 "this engine has no LoRA adapter to refresh: build it with peft_model= (or, for full "
@@ -553,8 +609,11 @@ class FlexInference:
             )
         if self.merge_lora:
             refresh_lora_merge_from_pristine(self.lora_targets, self.pristine_lora_weights, self.peft_model)
-        else:
+        elif not self.is_zero_copy:
             refresh_unmerged_lora(self.unmerged_lora, self.peft_model)
+        elif not reads_live_adapter(self.unmerged_lora, self.peft_model):  # the trainer replaced A or B: read the new
+            self.unmerged_lora = attach_unmerged_lora(self.causal_lm, self.peft_model, self.runner.patches, True)
+            self.runner.drop_cuda_graphs()  # they read the old ones: captured again at the next generate
 
     def verify_no_drift(self, iterations: int = 5, seed: int = 0) -> dict:
         """Perturbs the adapter `iterations` times with a refresh after each, restores it and
@@ -570,9 +629,10 @@ class FlexInference:
             applied = {f"{name}.{part}": w for name, pair in self.unmerged_lora.items() for part, w in zip("AB", pair)}
             modules = dict(self.causal_lm.named_modules())
             base = {name: getattr(modules[name], "base_layer", modules[name]).weight for name in self.unmerged_lora}
+            whose = "the trainer's own A and B, zero copy" if self.is_zero_copy else "the engine's copy of A and B"
             covers = (
-                "the unmerged adapter: A and B beside base weights that are never written "
-                "(the merged double-copy is not in use)"
+                f"the unmerged adapter: A and B beside base weights that are never written ({whose}; "
+                "the merged double-copy is not in use)"
             )
         result = run_drift_verification(applied, base, self.peft_model, self.refresh_lora, iterations, seed)
         return {"covers": covers, **result}
@@ -1204,14 +1264,54 @@ def free_memory_bytes(device: torch.device) -> int | None:
 # ---------------------------------------------------------------------------------------------
 
 
+class ModelPatches:
+    """The engine's replacements of module forwards (paged attention, skinny GEMMs, fused
+    projections, an unmerged adapter), in place only inside the engine's calls (`installed`).
+
+    Outside them every module runs its own forward: HF generate works on the same model, and a
+    trainer's forward and backward on the modules the engine shares (zero copy) are HF's own.
+    """
+
+    def __init__(self):
+        self.forwards: dict[nn.Module, Callable] = {}  # module -> its forward inside the engine's calls
+        self.depth = 0  # nested installs: only the outermost installs and removes
+        self.own_forwards: dict[nn.Module, Callable | None] = {}  # what an install replaced (None: the class's)
+
+    def replace_forward(self, module: nn.Module, forward: Callable) -> None:
+        self.forwards[module] = forward
+
+    def forward_of(self, module: nn.Module) -> Callable:
+        """The forward `module` runs inside the engine's calls: its replacement, or its own."""
+        return self.forwards.get(module) or module.forward
+
+    @contextlib.contextmanager
+    def installed(self):
+        if self.depth == 0:
+            self.own_forwards = {module: module.__dict__.get("forward") for module in self.forwards}
+            for module, forward in self.forwards.items():
+                module.__dict__["forward"] = forward
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+            if self.depth == 0:
+                for module, forward in self.own_forwards.items():
+                    if forward is None:
+                        del module.__dict__["forward"]
+                    else:
+                        module.__dict__["forward"] = forward
+
+
 class ModelRunner:
     """Runs the model over the paged KV cache: packed prefill, and the decode step (eager,
     compiled by regions, or replayed from a CUDA graph per batch bucket).
 
     It patches the HF model's attention to attend over the paged cache and otherwise runs HF's own
-    decoder layers. The model-specific hooks (`attention_layers`, `kv_cache_heads`,
-    `patch_attention`, `embed`, `layer_kwargs`, `prefill_hidden`, `logits`) serve Qwen3 and Llama;
-    `Gemma4ModelRunner` overrides them.
+    decoder layers; its patches (`ModelPatches`) are in place only inside the engine's calls. The
+    model-specific hooks (`attention_layers`, `kv_cache_heads`, `patch_attention`, `embed`,
+    `layer_kwargs`, `prefill_hidden`, `logits`) serve Qwen3 and Llama; `Gemma4ModelRunner` overrides
+    them.
     """
 
     def __init__(
@@ -1229,6 +1329,7 @@ class ModelRunner:
         skinny_gemms: bool = True,
         is_lora_merged: bool = False,
         decode_attention: str | None = None,
+        is_sleep_mode: bool = False,
     ):
         self.causal_lm = causal_lm
         self.decoder = causal_lm.model
@@ -1240,6 +1341,7 @@ class ModelRunner:
         self.max_packed_tokens = -(-max_prefill_tokens // 128) * 128  # the longest packed prefill row
         self.device = next(causal_lm.parameters()).device
         self.dtype = self.decoder.embed_tokens.weight.dtype
+        self.kv_memory = KVMemory(self.device, is_sleep_mode)
         self.kv_caches = self.build_kv_caches()
         # each layer's attention regime: the pool its cache's pages come from
         self.cache_regimes = [getattr(attn, "layer_type", FULL_ATTENTION) for attn in self.attention_layers()]
@@ -1259,11 +1361,12 @@ class ModelRunner:
             for head_dim in head_dims
         }
         self.decode_attention = resolve_decode_attention(decode_attention, self.device)
+        self.patches = ModelPatches()
         self.patch_attention()
         if fuse_projections:
-            fuse_decoder_projections(self.decoder, is_lora_merged)
+            fuse_decoder_projections(self.decoder, is_lora_merged, self.patches)
         if skinny_gemms:
-            route_linears_through_skinny([*self.decoder.modules(), causal_lm.lm_head])
+            route_linears_through_skinny([*self.decoder.modules(), causal_lm.lm_head], self.patches)
 
         # compile_decode: the decode step is compiled by regions, each with a symbolic batch size so
         # one compile serves every bucket: the prologue (masks, cache slots, embeddings), one
@@ -1320,7 +1423,9 @@ class ModelRunner:
         return [
             None
             if heads is None
-            else PagedKVCache(self.page_tables[heads[0]].n_pages, self.page_size, *heads[1:], self.dtype, self.device)
+            else PagedKVCache(
+                self.page_tables[heads[0]].n_pages, self.page_size, *heads[1:], self.dtype, self.device, self.kv_memory
+            )
             for heads in self.kv_cache_heads(self.causal_lm)
         ]
 
@@ -1330,11 +1435,13 @@ class ModelRunner:
                 "this checkpoint has sliding-window layers, which the Qwen3/Llama walker does not run"
             )
         for attn in self.attention_layers():
-            attn.forward = qwen3_llama_attention_forward.__get__(attn)
+            self.patches.replace_forward(attn, qwen3_llama_attention_forward.__get__(attn))
 
     def embed(self, input_ids_BS: torch.Tensor, position_ids_BS: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """The token embeddings [B, S, hidden] and what the layers read besides (RoPE cos/sin)."""
-        hidden_BSE = self.decoder.embed_tokens(input_ids_BS)
+        hidden_BSE = self.decoder.embed_tokens.forward(
+            input_ids_BS
+        )  # not __call__: no trainer hook (enable_input_require_grads)
         return hidden_BSE, {"position_embeddings": self.decoder.rotary_emb(hidden_BSE, position_ids_BS)}
 
     def layer_kwargs(self, layer_idx: int, layer_inputs: dict, step: PrefillStep | DecodeStep) -> dict:
@@ -1377,13 +1484,6 @@ class ModelRunner:
     @property
     def kv_bytes_per_token(self) -> int:
         return sum(cache.bytes_per_token for cache in self.kv_caches if cache is not None)
-
-    def restore_model(self) -> None:
-        """Gives the model back its own forwards (HF generate works again); the runner is
-        unusable afterwards."""
-        for module in [*self.decoder.modules(), self.causal_lm.lm_head]:
-            module.__dict__.pop("forward", None)
-            module.__dict__.pop("is_skinny", None)
 
     def flush_page_tables(self) -> None:
         for table in self.page_tables.values():
@@ -1643,6 +1743,11 @@ class ModelRunner:
             torch.cuda.synchronize()
         return graph_s
 
+    def drop_cuda_graphs(self) -> None:
+        """Forgets every captured graph (and their memory pool): the next generate captures again."""
+        self.cuda_graphs.clear()
+        self.graph_pool = None
+
     def _capture_cuda_graph(self, bucket: int, mode: str) -> float:
         """Captures the decode graph of one bucket and mode; returns its seconds (warm-up included)."""
         start = time.perf_counter()
@@ -1729,8 +1834,11 @@ def batch_buckets(max_batch_size: int, smallest: int = 1) -> list[int]:
 
 def call_layer(layer: nn.Module, hidden_states: torch.Tensor, **layer_kwargs) -> torch.Tensor:
     """One decoder layer (HF's own forward). With compile_decode the runner compiles this once:
-    layers of one kind (same shapes and attention regime) then share one compiled graph."""
-    return layer(hidden_states, **layer_kwargs)
+    layers of one kind (same shapes and attention regime) then share one compiled graph.
+
+    NOTE: its forward, not its __call__: a trainer's model (zero copy) in train mode with gradient
+    checkpointing on (TRL's default) would wrap the layer in torch.utils.checkpoint there."""
+    return layer.forward(hidden_states, **layer_kwargs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1863,13 +1971,13 @@ class DecodeLayerStep:
 class PagedKVCache:
     """One attention layer's K/V pool, shared by all sequences through the page table."""
 
-    def __init__(self, n_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype, device):
+    def __init__(self, n_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype, device, memory: KVMemory):
         # NOTE: stored at kernel_head_dim (on the CPU a multiple of 16, its NOTE), zero columns past
         # head_dim, so decode never pads the cache.
         shape = (1, num_kv_heads, n_pages * page_size, kernel_head_dim(head_dim, torch.device(device)))
         # k_cache, v_cache: [1, H_kv, n_pages * page_size, D]; row = physical_page * page_size + offset
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.k_cache = memory.zeros(shape, dtype)
+        self.v_cache = memory.zeros(shape, dtype)
         mark_compile_shapes("static", self.k_cache, self.v_cache)
 
     @property
@@ -1886,6 +1994,136 @@ class PagedKVCache:
         # into a copy of the entire cache per write.
         self.k_cache[:, :, physical_slots] = k.transpose(0, 1).reshape(1, H, B * S, D)
         self.v_cache[:, :, physical_slots] = v.transpose(0, 1).reshape(1, H, B * S, D)
+
+
+class KVMemory:
+    """Where the KV pool lives. With sleep mode its memory can be given back while a trainer trains
+    (`sleep`) and taken again (`wake_up`, zeroed). On CUDA every tensor keeps its device address
+    across a sleep (`RemappableCudaMemory`), so CUDA graphs captured over the pool stay valid."""
+
+    def __init__(self, device: torch.device, is_sleep_mode: bool):
+        self.device = device
+        self.is_sleep_mode = is_sleep_mode
+        self.is_asleep = False
+        self.tensors: list[torch.Tensor] = []
+        self.cuda_memories: list[RemappableCudaMemory] = []
+
+    def zeros(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        if not (self.is_sleep_mode and self.device.type == "cuda"):
+            tensor = torch.zeros(shape, dtype=dtype, device=self.device)
+        else:
+            memory = RemappableCudaMemory(math.prod(shape) * dtype.itemsize, self.device)
+            self.cuda_memories.append(memory)
+            tensor = memory.tensor(shape, dtype).zero_()
+        self.tensors.append(tensor)
+        return tensor
+
+    def sleep(self) -> None:
+        if self.is_asleep:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # no queued kernel may still read the pool
+            for memory in self.cuda_memories:
+                memory.unmap()
+        else:
+            for tensor in self.tensors:
+                tensor.untyped_storage().resize_(0)
+        self.is_asleep = True
+
+    def wake_up(self) -> None:
+        if not self.is_asleep:
+            return
+        if self.device.type == "cuda":
+            for memory in self.cuda_memories:
+                memory.map()
+        else:
+            for tensor in self.tensors:
+                tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
+        for tensor in self.tensors:  # padding rows read page 0: never uninitialised memory
+            tensor.zero_()
+        self.is_asleep = False
+
+
+class _CuMemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _CuMemAllocFlags(ctypes.Structure):
+    _fields_ = [
+        ("compressionType", ctypes.c_ubyte),
+        ("gpuDirectRDMACapable", ctypes.c_ubyte),
+        ("usage", ctypes.c_ushort),
+        ("reserved", ctypes.c_ubyte * 4),
+    ]
+
+
+class _CuMemAllocationProp(ctypes.Structure):
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("requestedHandleTypes", ctypes.c_int),
+        ("location", _CuMemLocation),
+        ("win32HandleMetaData", ctypes.c_void_p),
+        ("allocFlags", _CuMemAllocFlags),
+    ]
+
+
+class _CuMemAccessDesc(ctypes.Structure):
+    _fields_ = [("location", _CuMemLocation), ("flags", ctypes.c_int)]
+
+
+# The CUDA driver's enum values these calls use (cuda.h).
+CU_MEM_ALLOCATION_TYPE_PINNED, CU_MEM_LOCATION_TYPE_DEVICE, CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 1, 1, 3
+
+
+class RemappableCudaMemory:
+    """Device memory at a fixed virtual address whose physical pages can be unmapped (given back to
+    the driver) and mapped again: CUDA's virtual memory management (cuMemAddressReserve, cuMemCreate,
+    cuMemMap), called through the driver library with ctypes, as vLLM's sleep mode does in C++."""
+
+    def __init__(self, num_bytes: int, device: torch.device):
+        self.driver = ctypes.CDLL("libcuda.so.1")
+        self.device = device
+        location = _CuMemLocation(CU_MEM_LOCATION_TYPE_DEVICE, device.index or 0)
+        self.properties = _CuMemAllocationProp(type=CU_MEM_ALLOCATION_TYPE_PINNED, location=location)
+        granularity = ctypes.c_size_t()
+        self.call("cuMemGetAllocationGranularity", ctypes.byref(granularity), ctypes.byref(self.properties), 0)
+        self.num_bytes = -(-num_bytes // granularity.value) * granularity.value
+        self.address = ctypes.c_uint64()
+        self.call(
+            "cuMemAddressReserve",
+            ctypes.byref(self.address),
+            ctypes.c_size_t(self.num_bytes),
+            ctypes.c_size_t(0),
+            ctypes.c_uint64(0),
+            ctypes.c_ulonglong(0),
+        )
+        self.handle: ctypes.c_uint64 | None = None
+        self.map()
+
+    def call(self, name: str, *args) -> None:
+        result = getattr(self.driver, name)(*args)
+        if result != 0:
+            raise FlexInferenceError(f"the CUDA driver's {name} failed (CUresult {result}) for the sleepable KV pool")
+
+    def map(self) -> None:
+        handle, size = ctypes.c_uint64(), ctypes.c_size_t(self.num_bytes)
+        self.call("cuMemCreate", ctypes.byref(handle), size, ctypes.byref(self.properties), ctypes.c_ulonglong(0))
+        self.call("cuMemMap", self.address, size, ctypes.c_size_t(0), handle, ctypes.c_ulonglong(0))
+        access = _CuMemAccessDesc(self.properties.location, CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+        self.call("cuMemSetAccess", self.address, size, ctypes.byref(access), ctypes.c_size_t(1))
+        self.handle = handle
+
+    def unmap(self) -> None:
+        self.call("cuMemUnmap", self.address, ctypes.c_size_t(self.num_bytes))
+        self.call("cuMemRelease", self.handle)
+        self.handle = None
+
+    def tensor(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """A tensor over the memory (the memory must outlive it: the engine holds both)."""
+        interface = {"data": (self.address.value, False), "shape": (self.num_bytes,), "typestr": "|u1", "version": 3}
+        holder = type("CudaArray", (), {"__cuda_array_interface__": interface})()
+        flat_bytes = torch.as_tensor(holder, device=self.device)
+        return flat_bytes[: math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
 
 
 def mask_constant(value: int, device) -> torch.Tensor:
@@ -3006,12 +3244,7 @@ def paged_decode_attention_triton(
 def qwen3_llama_attention_forward(
     self, hidden_states, position_embeddings, attention_mask=None, layer_step=None, **kwargs
 ):
-    """Replaces Qwen3Attention/LlamaAttention.forward: project, norm (Qwen3), RoPE, paged flex attention.
-    Called outside the engine (no `layer_step`), it is HF's own forward."""
-    if layer_step is None:
-        return type(self).forward(
-            self, hidden_states, position_embeddings=position_embeddings, attention_mask=attention_mask, **kwargs
-        )
+    """Replaces Qwen3Attention/LlamaAttention.forward: project, norm (Qwen3), RoPE, paged flex attention."""
     input_shape = hidden_states.shape[:-1]  # [B, S]
     hidden_shape = (*input_shape, -1, self.head_dim)
     q, k, v = (t.view(hidden_shape) for t in project(self, qkv_projections(self), "fused_qkv_weight", hidden_states))
@@ -3039,7 +3272,7 @@ def project(owner: nn.Module, linears: list[nn.Module], fused_name: str, x: torc
     return list(linear(x, fused).split(getattr(owner, fused_name + "_sizes"), dim=-1))
 
 
-def fuse_decoder_projections(decoder: nn.Module, is_lora_merged: bool) -> None:
+def fuse_decoder_projections(decoder: nn.Module, is_lora_merged: bool, patches: ModelPatches) -> None:
     """q/k/v and gate/up of every layer each become one GEMM (fewer, larger GEMMs read weights faster)."""
     for layer in decoder.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -3056,7 +3289,7 @@ def fuse_decoder_projections(decoder: nn.Module, is_lora_merged: bool) -> None:
         if len(qkv) > 1:
             fuse_linears(attn, qkv, "fused_qkv_weight")
         fuse_linears(mlp, [mlp.gate_proj, mlp.up_proj], "fused_gate_up_weight")
-        mlp.forward = fused_mlp_forward.__get__(mlp)
+        patches.replace_forward(mlp, fused_mlp_forward.__get__(mlp))
 
 
 def fuse_linears(owner: nn.Module, linears: list[nn.Module], name: str) -> None:
@@ -3080,14 +3313,14 @@ def fused_mlp_forward(self, x):
     return self.down_proj(self.act_fn(gate) * up)
 
 
-def route_linears_through_skinny(modules: list[nn.Module]) -> None:
+def route_linears_through_skinny(modules: list[nn.Module], patches: ModelPatches) -> None:
     """Every bias-free nn.Linear among `modules` and their fused projections go through
     skinny_linear: decode's few-row GEMMs take the Triton kernel wherever it beat cuBLAS on this
     GPU (prefill's many rows, and every GEMM on the CPU, stay F.linear)."""
     for module in modules:
         # NOTE: exact type: quantized linears (bitsandbytes' Linear4bit) subclass nn.Linear.
         if type(module) is nn.Linear and module.bias is None:
-            module.forward = skinny_linear_forward.__get__(module)
+            patches.replace_forward(module, skinny_linear_forward.__get__(module))
         if hasattr(module, "fused_qkv_weight") or hasattr(module, "fused_gate_up_weight"):
             module.is_skinny = True
 
@@ -3127,6 +3360,12 @@ def lora_layers(peft_model: nn.Module) -> dict[str, nn.Module]:
                 raise FlexInferenceError("DoRA adapters are not supported by the LoRA double-copy")
             layers[text_model_name(name)] = module
     return layers
+
+
+def is_adapter_training(peft_model: nn.Module) -> bool:
+    """True when some LoRA weight takes gradients: the model is a trainer's (get_peft_model), not an
+    adapter loaded for inference (PeftModel.from_pretrained, which freezes it)."""
+    return any(p.requires_grad for layer in lora_layers(peft_model).values() for p in layer.lora_A.parameters())
 
 
 def lora_target_weights(causal_lm: nn.Module, peft_model: nn.Module) -> dict[str, torch.Tensor]:
@@ -3195,14 +3434,18 @@ def resolve_merge_lora(merge_lora: bool | None, causal_lm: nn.Module, peft_model
     return not is_quantized if merge_lora is None else merge_lora
 
 
-def attach_unmerged_lora(causal_lm: nn.Module, peft_model: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Gives every module the adapter targets a forward of base(x) + (x A^T) B^T * scaling, PEFT's
-    own order of operations, with A [rank, in] and B [out, rank] held in the engine's own buffers
-    (in the model's dtype): in place refreshes keep captured CUDA graphs valid. A PEFT layer's own
-    adapter path is replaced (its base layer computes the base). Returns the buffers by module name."""
+def attach_unmerged_lora(
+    causal_lm: nn.Module, peft_model: nn.Module, patches: ModelPatches, is_zero_copy: bool
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Gives every module the adapter targets a forward (inside the engine's calls) of
+    base(x) + (x A^T) B^T * scaling, PEFT's own order of operations and dtypes, with A [rank, in] and
+    B [out, rank]: the adapter's own parameters when `is_zero_copy` (the engine runs the trainer's
+    PEFT model: its optimizer updates them in place), else the engine's copies of them, refreshed in
+    place. Either way captured CUDA graphs stay valid. A PEFT layer's adapter path is replaced (its
+    base layer computes the base). Returns (A, B) by module name."""
     modules = dict(causal_lm.named_modules())
-    dtype = causal_lm.model.embed_tokens.weight.dtype
-    buffers = {}
+    device = causal_lm.model.embed_tokens.weight.device
+    lora_weights = {}
     for name, layer in lora_layers(peft_model).items():
         module = modules.get(name)
         if module is None:
@@ -3210,34 +3453,50 @@ def attach_unmerged_lora(causal_lm: nn.Module, peft_model: nn.Module) -> dict[st
         if layer.fan_in_fan_out:
             raise FlexInferenceError(f"{name} stores its weight transposed (fan_in_fan_out): not supported")
         adapter = layer.active_adapters[0]
-        weight_A, weight_B = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
-        device = causal_lm.model.embed_tokens.weight.device
-        lora_A_RI = torch.zeros(weight_A.shape, dtype=dtype, device=device)
-        lora_B_OR = torch.zeros(weight_B.shape, dtype=dtype, device=device)
-        # an engine before this one may have attached its adapter here already: its base stays the base
-        module.base_forward = (
-            getattr(module, "base_forward", None) or getattr(module, "base_layer", None) or module.forward
+        lora_A_RI, lora_B_OR = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
+        if is_zero_copy:  # views: they keep the storage the graphs read, whatever the trainer reassigns
+            lora_A_RI, lora_B_OR = lora_A_RI.detach(), lora_B_OR.detach()
+        else:
+            lora_A_RI = torch.zeros(lora_A_RI.shape, dtype=lora_A_RI.dtype, device=device)
+            lora_B_OR = torch.zeros(lora_B_OR.shape, dtype=lora_B_OR.dtype, device=device)
+        base_layer = getattr(module, "base_layer", None)
+        base_forward = base_layer if base_layer is not None else patches.forward_of(module)
+        patches.replace_forward(
+            module, functools.partial(unmerged_lora_forward, base_forward, lora_A_RI, lora_B_OR, layer.scaling[adapter])
         )
-        module.lora_A_RI, module.lora_B_OR, module.lora_scaling = lora_A_RI, lora_B_OR, layer.scaling[adapter]
-        module.forward = unmerged_lora_forward.__get__(module)
-        buffers[name] = (lora_A_RI, lora_B_OR)
-    return buffers
+        lora_weights[name] = (lora_A_RI, lora_B_OR)
+    return lora_weights
 
 
-def unmerged_lora_forward(self, x):
-    """Replaces a LoRA target's forward: the base product plus the adapter's, unmerged."""
-    lora_out = nn.functional.linear(nn.functional.linear(x, self.lora_A_RI), self.lora_B_OR) * self.lora_scaling
-    return self.base_forward(x) + lora_out
+def unmerged_lora_forward(base_forward, lora_A_RI: torch.Tensor, lora_B_OR: torch.Tensor, scaling: float, x):
+    """A LoRA target's forward inside the engine: the base product plus the adapter's, unmerged; the
+    adapter's product in its weights' dtype and the sum back in the base's, as PEFT computes them."""
+    base_out = base_forward(x)
+    lora_out = nn.functional.linear(nn.functional.linear(x.to(lora_A_RI.dtype), lora_A_RI), lora_B_OR) * scaling
+    return (base_out + lora_out).to(base_out.dtype)
 
 
 @torch.no_grad()
-def refresh_unmerged_lora(buffers: dict, peft_model: nn.Module, adapter_name: str | None = None) -> None:
-    """Copies the adapter's A and B into the buffers (its scaling is fixed when they are attached)."""
+def refresh_unmerged_lora(lora_weights: dict, peft_model: nn.Module, adapter_name: str | None = None) -> None:
+    """Copies the adapter's A and B into the engine's (its scaling is fixed when they are attached)."""
     for name, layer in lora_layers(peft_model).items():
         adapter = adapter_name or layer.active_adapters[0]
-        lora_A_RI, lora_B_OR = buffers[name]
+        lora_A_RI, lora_B_OR = lora_weights[name]
         lora_A_RI.copy_(layer.lora_A[adapter].weight)
         lora_B_OR.copy_(layer.lora_B[adapter].weight)
+
+
+def reads_live_adapter(lora_weights: dict, peft_model: nn.Module) -> bool:
+    """Zero copy: whether the engine's A and B are still the adapter's own storage and dtype (a
+    trainer may replace them, e.g. TRL casts a 4-bit model's adapter to bf16 when it starts)."""
+    for name, layer in lora_layers(peft_model).items():
+        adapter = layer.active_adapters[0]
+        for engine_weight, weight in zip(
+            lora_weights[name], (layer.lora_A[adapter].weight, layer.lora_B[adapter].weight)
+        ):
+            if engine_weight.data_ptr() != weight.data_ptr() or engine_weight.dtype != weight.dtype:
+                return False
+    return True
 
 
 def sha256_of(tensors: dict[str, torch.Tensor]) -> str:
@@ -3424,12 +3683,17 @@ def make_trl_rollout_func(
     one each call; stop_token_ids; ignore_eos). Returns TRL's `prompt_ids`, `completion_ids` and
     per-token `logprobs` (log_softmax(logits / temperature) of each chosen token, as TRL computes
     them). `capture_cudagraph` decodes with CUDA graphs (captured on the first call; the in-place
-    weight syncs keep them valid).
+    weight syncs keep them valid). An engine built with `enable_sleep_mode` holds its KV pool only
+    while it generates: it sleeps through the trainer's log-prob pass, backward and optimizer step.
     """
     base_params = sampling_params or SamplingParams()
     synced_step = [None]  # the trainer step whose weights the engine holds
 
     def rollout_func(prompts: list, trainer) -> dict[str, list]:
+        with awake_while_generating(engine):
+            return generate_for_trl(prompts, trainer)
+
+    def generate_for_trl(prompts: list, trainer) -> dict[str, list]:
         if trainer.state.global_step != synced_step[0]:
             sync_trainer_weights(engine, trainer.accelerator.unwrap_model(trainer.model))
             synced_step[0] = trainer.state.global_step
@@ -3455,22 +3719,37 @@ def make_trl_rollout_func(
     return rollout_func
 
 
+@contextlib.contextmanager
+def awake_while_generating(engine: FlexInference):
+    """With sleep mode, the engine's KV pool is held only while it generates: given back for the
+    trainer's log-prob pass, backward and optimizer step."""
+    is_sleep_mode = engine.runner.kv_memory.is_sleep_mode
+    if is_sleep_mode:
+        engine.wake_up()
+    try:
+        yield
+    finally:
+        if is_sleep_mode:
+            engine.sleep()
+
+
 def sync_trainer_weights(engine: FlexInference, trainer_model: nn.Module) -> None:
-    """Brings the engine's weights to the trainer's: re-merges the adapter, or copies every weight."""
-    if unwrap_causal_lm(trainer_model) is engine.causal_lm:
-        raise FlexInferenceError(TRAINERS_OWN_MODEL)
+    """Brings the engine's weights to the trainer's: re-merges the adapter, or copies every weight;
+    zero copy (the engine runs the trainer's own model) has nothing to bring."""
     is_peft = callable(getattr(trainer_model, "get_base_model", None))
     if engine.peft_model is not None:
         if engine.peft_model is not trainer_model:
             raise FlexInferenceError("the engine's peft_model is not the trainer's model: build it with that model")
-        engine.refresh_lora()
+        engine.refresh_lora()  # zero copy: only checks that the engine still reads the adapter's storage
     elif is_peft:
         raise FlexInferenceError(
             "the trainer trains a PEFT adapter the engine does not know: wrap the model with get_peft_model "
-            "yourself and give it to the trainer and to the engine (peft_model=, base_model=)"
+            "yourself and give it to the trainer and to the engine as peft_model= (zero copy: as model= too)"
         )
-    else:
+    elif unwrap_causal_lm(trainer_model) is not engine.causal_lm:
         engine.load_weights(trainer_model.named_parameters())
+    elif engine.fuse_projections:  # else zero copy: the weights are the trainer's, updated in place
+        raise FlexInferenceError(TRAINERS_OWN_MODEL)
 
 
 def trl_prompt_ids(trainer, prompts: list) -> list[list[int]]:

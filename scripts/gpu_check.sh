@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks in one call; everything lands under $OUT (default: ./out).
-#   scripts/gpu_check.sh [kernels] [tests] [bench] [e2b] [profile] [gemv] [gemv_sweep] [flex_decode] [attention] [attention_tiles] [rollouts...] [sampling] [grpo] [trl] [fourbit] [multi_gpu] [trained] [learning...]
+#   scripts/gpu_check.sh [kernels] [tests] [bench] [e2b] [profile] [gemv] [gemv_sweep] [flex_decode] [attention] [attention_tiles] [rollouts...] [sampling] [grpo] [trl] [zero_copy] [fourbit] [multi_gpu] [trained] [learning...]
 #   (no argument: kernels tests bench e2b profile; each phase must fit the 10-minute limit of one
 #   device call, so call it with one or two phases at a time)
 # kernels: which flex_attention kernel options work at head_dim 256/512 (prefill and decode)
@@ -37,6 +37,9 @@
 # trl:                 TRL's GRPOTrainer (LoRA, 8 prompts x 8 completions of 256 tokens, bf16), rollouts on the engine's
 #                      fastest mode: TRL's sampling log-prob difference for the engine and for HF generate (tiny Gemma-4
 #                      and E2B shape), then the E2B step time against TRL's own generation (~8 min)
+# zero_copy:           the zero-copy GPU tests, then TRL's E2B step (8 x 8 x 256, LoRA r$LORA_R, default 16) with the engine on
+#                      the trainer's own model (zero copy, compiled step + CUDA graphs, KV pool asleep between rollouts), on a copy of its own (the fastest
+#                      mode: fused projections, merged adapter) and TRL's own generation: step time and each step's peak memory (~8 min)
 # fourbit:             the 4-bit GPU test (tiny Qwen3, Llama, Gemma-4: float32-compute NF4 + unmerged LoRA = HF + PEFT,
 #                      eager and compiled under CUDA graphs), then E2B in NF4 (bf16 compute), compiled step + CUDA graphs,
 #                      batch 1 and 64, without and with a rank-16 LoRA adapter, with kernel profiles; carry .whl/bnb (~7 min)
@@ -177,6 +180,14 @@ run() {  # run NAME CMD...: logs the command, its status and its time
         run trl_e2b_logprobs $PY -m scripts.grpo_trl $e2b $grpo $fastest --steps 2 --compare_logprobs --out "$OUT/trl_e2b_logprobs.json"
         run trl_e2b_engine $PY -m scripts.grpo_trl $e2b $grpo $fastest --steps 4 --out "$OUT/trl_e2b_engine.json"
         run trl_e2b_hf $PY -m scripts.grpo_trl $e2b $grpo --backend hf --steps 4 --out "$OUT/trl_e2b_hf.json" ;;
+      zero_copy)
+        run gpu_tests_zero_copy $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "zero_copy or sampling_under"
+        grpo="--device cuda --dtype bfloat16 --num_prompts 8 --num_generations 8 --max_completion_length 256 --steps 4"
+        e2b="--model_name unsloth/gemma-4-E2B-it --load_format dummy --tokenizer $tiny/gemma4 --lora_r ${LORA_R:-16}"
+        run trl_e2b_zero_copy $PY -m scripts.grpo_trl $e2b $grpo --capture_cudagraph --compile_decode --engine_weights shared \
+          --enable_sleep_mode --out "$OUT/trl_e2b_zero_copy.json"
+        run trl_e2b_copy $PY -m scripts.grpo_trl $e2b $grpo $fastest --out "$OUT/trl_e2b_copy.json"
+        run trl_e2b_hf $PY -m scripts.grpo_trl $e2b $grpo --backend hf --out "$OUT/trl_e2b_hf.json" ;;
       fourbit)
         run gpu_tests_4bit $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py -k 4bit
         system=engine_compiled_graph

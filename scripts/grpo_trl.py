@@ -105,6 +105,19 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--capture_cudagraph", action="store_true", help="engine: CUDA-graph decode (CUDA only)")
     p.add_argument("--compile_decode", action="store_true", help="engine: torch.compile the decode step")
     p.add_argument("--fuse_projections", action="store_true", help="engine: one GEMM for q/k/v and for gate/up")
+    p.add_argument(
+        "--enable_sleep_mode",
+        action="store_true",
+        help="engine: hold the KV pool only while generating, given back during the trainer's passes and step",
+    )
+    p.add_argument(
+        "--engine_weights",
+        choices=["auto", "shared", "copy"],
+        default="auto",
+        help="engine: shared runs the trainer's own PEFT model (zero copy: no second copy of the weights, the adapter "
+        "read live); copy loads an inference copy (--fuse_projections needs one); auto: shared unless "
+        "--fuse_projections",
+    )
     p.add_argument("--seed", type=int, default=0, help="TRL's seed (data order, adapter init), in [0, 2**32)")
     p.add_argument(
         "--compare_logprobs",
@@ -126,6 +139,7 @@ ENGINE_ONLY_FLAGS = (
     "capture_cudagraph",
     "compile_decode",
     "fuse_projections",
+    "enable_sleep_mode",
     "compare_logprobs",
     "sampler_correction",
 )
@@ -154,7 +168,13 @@ def check_args(args) -> None:
         for flag in ENGINE_ONLY_FLAGS:
             if getattr(args, flag):
                 raise FlexInferenceError(f"--{flag} acts on the engine's rollouts: use it with --backend engine")
+        if args.engine_weights != "auto":
+            raise FlexInferenceError("--engine_weights acts on the engine's rollouts: use it with --backend engine")
         return
+    if args.engine_weights == "shared" and args.fuse_projections:
+        raise FlexInferenceError(
+            "--fuse_projections rewrites the weights into fused copies: use it with --engine_weights copy (or auto)"
+        )
     if args.capture_cudagraph and device.type != "cuda":
         raise FlexInferenceError("--capture_cudagraph needs a CUDA device")
     if args.max_seq_length % engine_page_size(device):
@@ -357,22 +377,26 @@ def run(args) -> None:
             from gemma4_flex_inference import FlexGemma4Inference as engine_class
         else:
             engine_class = FlexInference
+        is_shared = args.engine_weights == "shared" or (args.engine_weights == "auto" and not args.fuse_projections)
         engine = engine_class(
-            load_model(model_name, is_gemma, dtype, device, args.load_format),  # the inference copy (same seed)
+            # zero copy: the trainer's own model; else an inference copy (same seed, same weights)
+            policy if is_shared else load_model(model_name, is_gemma, dtype, device, args.load_format),
             tokenizer,
             max_batch_size=args.num_prompts * args.num_generations,
             max_seq_length=args.max_seq_length,
             n_pages=None,
             page_size=engine_page_size(device),
             peft_model=policy,
-            base_model=policy,  # the trainer's frozen base is the pristine copy: nothing is copied
+            base_model=policy,  # a copy's pristine weights: the trainer's frozen base
             compile_decode=args.compile_decode,
             fuse_projections=args.fuse_projections,
+            enable_sleep_mode=args.enable_sleep_mode,
         )
         rollout_func = make_trl_rollout_func(engine, capture_cudagraph=args.capture_cudagraph)
         if args.compare_logprobs:
             rollout_func = LogprobComparison(rollout_func)
     print(f"loaded {model_name} ({args.backend} rollouts, {dtype}, {device}) in {time.perf_counter() - start:.1f} s")
+    loaded_gb = torch.cuda.memory_allocated(device) / 1e9 if device.type == "cuda" else None  # weights, KV pool
 
     output_dir = tempfile.TemporaryDirectory(prefix="grpo_trl_")  # TRL's; it saves nothing here (save_strategy "no")
     config = GRPOConfig(
@@ -399,6 +423,9 @@ def run(args) -> None:
     class PrintMetrics(TrainerCallback):
         def on_log(self, _args, state, control, logs=None, **kwargs):
             logs = logs or {}
+            if device.type == "cuda":  # each step's own peak: reset after each log
+                logs["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+                torch.cuda.reset_peak_memory_stats(device)
             label = "total" if "train_runtime" in logs else f"step {state.global_step}"
             metrics = " ".join(f"{key}={value:.4g}" for key, value in logs.items() if isinstance(value, float))
             print(f"{label}: {metrics}", flush=True)
@@ -444,6 +471,7 @@ def run(args) -> None:
             dtype=str(dtype),
             device=str(device),
             logs=logged,
+            loaded_memory_gb=loaded_gb,
             skipped_steps=gradient_guard.skipped_steps,
         )
         if isinstance(rollout_func, LogprobComparison):

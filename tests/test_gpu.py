@@ -316,3 +316,52 @@ def test_sampling_under_cuda_graphs_equals_eager_matches_hf_logprobs_and_load_we
     assert engine.runner.cuda_graphs == graphs_before, "load_weights made the engine capture again"
     assert [s.output_ids for s in after] != [s.output_ids for s in graph]
     check_logprobs(new_weights, after)
+
+
+@pytest.mark.parametrize("options", [{}, {"compile_decode": True}], ids=["plain", "compiled"])
+def test_zero_copy_greedy_follows_optimizer_steps_under_cuda_graphs_with_no_refresh_or_recapture(options):
+    """The engine on the trainer's own PEFT model (trained CI-size Gemma-4, float32, train mode with
+    gradient checkpointing as TRL leaves it): greedy tokens replayed from CUDA graphs equal HF + PEFT's
+    before and after AdamW steps, with no refresh call and the same graphs; the KV pool sleeps through
+    the steps (its memory given back to the driver) and wakes at the same addresses."""
+    from peft import LoraConfig, get_peft_model
+
+    from gemma4_flex_inference import FlexGemma4Inference, load_gemma4
+    from qwen3_flex_inference import SamplingParams
+    from scripts.train_checkpoints import ensure_trained_checkpoints
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    path = ensure_trained_checkpoints() / "gemma4"
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0)
+    policy = get_peft_model(load_gemma4(str(path), torch.float32, torch.device("cuda")), lora)
+    policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    policy.enable_input_require_grads()
+    engine = FlexGemma4Inference(
+        policy, None, max_batch_size=8, max_seq_length=256, n_pages=64, page_size=16, peft_model=policy,
+        enable_sleep_mode=True, **options,
+    )  # fmt: skip
+    pool_bytes = sum(c.k_cache.nbytes + c.v_cache.nbytes for c in engine.runner.kv_caches if c is not None)
+    prompts = random_prompts([5, 40, 23], engine.config.vocab_size, seed=5, low=FIRST_TEXT_ID)
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=0.05)
+    tokens, graphs = [], None
+    for _ in range(2):
+        policy.train()
+        engine_tokens = [seq.output_ids for seq in engine.generate(prompts, greedy, capture_cudagraph=True)]
+        graphs = graphs or dict(engine.runner.cuda_graphs)
+        assert engine.runner.cuda_graphs == graphs, f"{options=}: the engine captured again"
+        policy.eval()
+        assert engine_tokens == [_rollout_cuda(policy, ids, engine.end_ids) for ids in prompts], f"{options=}"
+        tokens.append(engine_tokens)
+        free_awake = torch.cuda.mem_get_info()[0]
+        engine.sleep()
+        freed = torch.cuda.mem_get_info()[0] - free_awake
+        assert freed >= pool_bytes, f"{options=}: sleep gave back {freed} bytes of a {pool_bytes}-byte pool"
+        policy.train()
+        for _ in range(2):
+            ids = torch.tensor([prompts[1]], device="cuda")
+            policy(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        engine.wake_up()
+    assert tokens[0] != tokens[1], f"{options=}: the optimizer steps changed no greedy token: the test proves nothing"

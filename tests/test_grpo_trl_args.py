@@ -35,6 +35,14 @@ BAD_ARGS = {
     "out is a folder": (["--out", "."], "--out . is not a file"),
     "hf with an engine flag": (["--backend", "hf", "--compile_decode"], "--compile_decode acts on the engine's"),
     "hf comparing log-probs": (["--backend", "hf", "--compare_logprobs"], "--compare_logprobs acts on the engine's"),
+    "hf with engine weights": (
+        ["--backend", "hf", "--engine_weights", "copy"],
+        "--engine_weights acts on the engine's",
+    ),
+    "shared weights fused": (
+        ["--engine_weights", "shared", "--fuse_projections"],
+        "--fuse_projections rewrites the weights into fused copies",
+    ),
     "cudagraph on the cpu": (["--device", "cpu", "--capture_cudagraph"], "--capture_cudagraph needs a CUDA device"),
     "sequence off the page size": (
         ["--device", "cpu", "--max_seq_length", "1000"],

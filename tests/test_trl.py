@@ -134,20 +134,25 @@ def make_engine(name: str, path, tokenizer, **kwargs) -> FlexInference:
 @pytest.fixture(scope="module", params=["qwen3", "gemma4"])
 def run(request, tmp_path_factory):
     """Two GRPO steps of TRL with the engine's rollouts on a trained checkpoint; Qwen3 with text
-    prompts (function headers), Gemma-4 with chats."""
+    prompts (function headers) on an inference copy of its own, Gemma-4 with chats in zero copy (the
+    engine runs the trainer's own PEFT model)."""
     name, path = request.param, ensure_trained_checkpoints() / request.param
     tokenizer = AutoTokenizer.from_pretrained(path)
     lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"])
     policy = get_peft_model(load_model(name, path), lora)  # the trainer's model
     # scripts/grpo_trl.py's limits on the CPU: the trained Qwen3's kernels, compiled for tests/test_learning.py, serve
-    limits = dict(max_batch_size=64, max_seq_length=1024, n_pages=None)
-    engine = make_engine(name, path, tokenizer, peft_model=policy, base_model=policy, **limits)
+    limits = dict(max_batch_size=64, max_seq_length=1024, n_pages=None, page_size=16, peft_model=policy)
+    if name == "gemma4":
+        engine = FlexGemma4Inference(policy, tokenizer, **limits)
+    else:
+        engine = make_engine(name, path, tokenizer, base_model=policy, **limits)
     chats = python_prompts()[:4]
     prompts = chats if name == "gemma4" else [chat[0]["content"] for chat in chats]
     rollout = RecordingRollout(engine)
     trainer = grpo_trainer(policy, tokenizer, rollout, prompts, tmp_path_factory.mktemp(f"grpo_{name}"))
     adapter_before = {k: v.detach().clone() for k, v in policy.named_parameters() if "lora_" in k}
     pristine_before = sha256_of(engine.pristine_lora_weights)
+    base_before = sha256_of({name: layer.base_layer.weight for name, layer in lora_layers(policy).items()})
     trainer.train()
     return dict(
         name=name,
@@ -158,6 +163,7 @@ def run(request, tmp_path_factory):
         calls=rollout.calls,
         adapter_before=adapter_before,
         pristine_before=pristine_before,
+        base_before=base_before,
     )
 
 
@@ -200,6 +206,15 @@ def test_engine_after_the_second_sync_equals_hf_peft_with_the_trainers_adapter(r
 def test_the_pristine_base_is_the_trainers_frozen_base_and_stays_bit_equal(run):
     engine = run["engine"]
     base_weights = {name: layer.base_layer.weight for name, layer in lora_layers(run["policy"]).items()}
+    if engine.is_zero_copy:  # no pristine copy: the engine reads the trainer's base and adapter themselves
+        trainer_storage = {p.data_ptr() for p in run["policy"].parameters()}
+        assert all(p.data_ptr() in trainer_storage for p in engine.causal_lm.parameters())
+        assert all(
+            a.data_ptr() in trainer_storage and b.data_ptr() in trainer_storage
+            for a, b in engine.unmerged_lora.values()
+        )
+        assert sha256_of(base_weights) == run["base_before"], f"{run['name']}: the base changed"
+        return
     assert all(engine.pristine_lora_weights[name].data_ptr() == w.data_ptr() for name, w in base_weights.items())
     assert sha256_of(engine.pristine_lora_weights) == run["pristine_before"], f"{run['name']}: the base changed"
 
@@ -231,10 +246,9 @@ def test_eval_mode_draws_num_generations_eval_completions_per_prompt(run):
 
 
 def test_qlora_grpo_steps_on_a_4bit_engine_follow_the_trainers_adapter(tiny_dir, tmp_path):
-    """QLoRA: the trainer's model and the engine's inference copy both in 4 bits, the adapter applied
-    unmerged by the engine. TRL casts a quantised model's adapter to bf16 (QLoRA's recipe), so PEFT
-    computes the adapter's branch in bf16, while this float32 engine computes it in float32 from the
-    same values: once the adapter is non-zero the log-probs agree to ~1e-3, not 1e-6."""
+    """QLoRA in zero copy: the engine runs the trainer's own 4-bit PEFT model, the adapter applied
+    unmerged from the trainer's A and B (which TRL casts to bf16, QLoRA's recipe: the engine computes
+    the adapter's branch in their dtype, as PEFT does)."""
     pytest.importorskip("bitsandbytes")
     from qwen3_flex_inference import load_qwen3_llama
 
@@ -247,8 +261,8 @@ def test_qlora_grpo_steps_on_a_4bit_engine_follow_the_trainers_adapter(tiny_dir,
     lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"])
     policy = get_peft_model(load_4bit(), lora)
     limits = dict(max_batch_size=8, max_seq_length=128, n_pages=64, page_size=16)
-    engine = FlexInference(load_4bit(), tokenizer, peft_model=policy, **limits)
-    assert not engine.merge_lora
+    engine = FlexInference(policy, tokenizer, peft_model=policy, **limits)
+    assert engine.is_zero_copy and not engine.merge_lora
     quantized = {name: p for name, p in engine.causal_lm.named_parameters() if not p.is_floating_point()}
     base_before = sha256_of(quantized)
     rollout = RecordingRollout(engine)
@@ -261,6 +275,23 @@ def test_qlora_grpo_steps_on_a_4bit_engine_follow_the_trainers_adapter(tiny_dir,
     assert second["logprob_differences"].mean() < 2e-3, second["logprob_differences"].mean()
     assert second["engine_greedy"] == second["hf_peft_greedy"] != second["base_greedy"]
     assert sha256_of(quantized) == base_before, "the engine wrote its 4-bit base"
+
+
+def test_full_fine_tuning_in_zero_copy_samples_from_the_stepped_weights(tiny_dir, tmp_path):
+    """The engine on the trainer's own model (no adapter): the optimizer's in-place steps are what it
+    samples from, with no sync."""
+    path = tiny_dir / "qwen3"
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = load_model("qwen3", path)
+    engine = FlexInference(model, tokenizer, max_batch_size=8, max_seq_length=128, n_pages=64, page_size=16)
+    weights_before = sha256_of(dict(model.named_parameters()))
+    trainer = grpo_trainer(model, tokenizer, make_trl_rollout_func(engine), QUESTIONS, tmp_path, max_steps=1)
+    trainer.train()
+    assert sha256_of(dict(model.named_parameters())) != weights_before, "the optimizer step changed no weight"
+    prompt_ids = [tokenizer(question)["input_ids"] for question in QUESTIONS[:2]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS)
+    engine_tokens = [seq.output_ids for seq in engine.generate(prompt_ids, greedy)]
+    assert engine_tokens == hf_greedy(model, prompt_ids, GREEDY_TOKENS, engine.end_ids)
 
 
 def test_full_fine_tuning_syncs_every_weight_through_load_weights(tiny_dir, tmp_path):

@@ -91,7 +91,6 @@ def run_engine(model, prompts, lengths, args) -> dict:
             "timings": {k: v for k, v in engine.timings.items() if isinstance(v, (int, float))},
         }
         print(json.dumps({"engine": results["shared" if is_shared else "separate"]}), flush=True)
-    engine.runner.restore_model()
     return results
 
 

@@ -368,7 +368,6 @@ def main() -> int:
                         " ".join(map(str, key)): choice["winner"] for key, choice in SKINNY_CHOICES.items()
                     }
                 kv_bytes = kv_bytes_per_step(engine, batch_size, args.prompt_len, args.new_tokens)
-                engine.runner.restore_model()
                 del engine
             elif system == "hf_cb":
                 result = run_hf_cb(model, prompts, args.new_tokens)

@@ -1,0 +1,170 @@
+"""Zero copy: the engine runs the trainer's own PEFT model (model= and peft_model= the same), sharing
+every weight and reading the adapter's live A and B. Float32 on the CPU, on the trained CI-size
+Qwen3 and Gemma-4 (realistic distributions): the trainer's loss and gradients are an untouched
+twin's before and after rollouts, and after optimizer steps (no refresh call) the engine's greedy
+tokens are HF + PEFT's with the stepped adapter."""
+
+import pytest
+import torch
+from conftest import hf_greedy
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from gemma4_flex_inference import FlexGemma4Inference, load_gemma4
+from qwen3_flex_inference import FlexInference, FlexInferenceError, SamplingParams, sha256_of
+from scripts.train_checkpoints import ensure_trained_checkpoints
+
+PROMPTS = ["def add(a, b):", "class Stack:\n    def push(self, item):", "import os\n\n\ndef walk(root):"]
+GREEDY_TOKENS = 16
+# tests/test_trl.py's limits: the compiled kernels serve both
+LIMITS = dict(max_batch_size=64, max_seq_length=1024, n_pages=None, page_size=16)
+
+
+def load(name: str, path):
+    if name == "gemma4":
+        return load_gemma4(str(path), torch.float32, torch.device("cpu"))
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+
+
+def loss_and_grads(model, input_ids_1T: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad()
+    loss = model(input_ids=input_ids_1T, labels=input_ids_1T).loss
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same_training(model, twin, input_ids_1T, when: str) -> None:
+    loss, grads = loss_and_grads(model, input_ids_1T)
+    twin_loss, twin_grads = loss_and_grads(twin, input_ids_1T)
+    assert grads.keys() == twin_grads.keys() and grads, when
+    assert (loss - twin_loss).abs().item() <= 1e-6, f"{when}: loss {loss.item()} against {twin_loss.item()}"
+    worst = max((grads[name] - twin_grads[name]).abs().max().item() for name in grads)
+    assert worst <= 1e-6, f"{when}: gradients differ by {worst}"
+
+
+@pytest.fixture(scope="module", params=["qwen3", "gemma4"])
+def shared(request):
+    """The trainer's PEFT model (dropout 0, B nonzero; train mode, gradient checkpointing and the input
+    grad hook on, as TRL leaves it), an untouched twin with the same weights, and a zero-copy engine
+    on the first."""
+    name, path = request.param, ensure_trained_checkpoints() / request.param
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0)
+    torch.manual_seed(0)
+    policy, twin = get_peft_model(load(name, path), lora), get_peft_model(load(name, path), lora)
+    for param_name, param in policy.named_parameters():
+        if "lora_B" in param_name:  # PEFT starts B at zero: the adapter would change nothing
+            torch.nn.init.normal_(param, std=0.05)
+    twin.load_state_dict(policy.state_dict())
+    for model in (policy, twin):  # as TRL's GRPOTrainer leaves them by default
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+        model.train()
+    engine_class = FlexGemma4Inference if name == "gemma4" else FlexInference
+    engine = engine_class(policy, tokenizer, peft_model=policy, **LIMITS)
+    input_ids_1T = torch.tensor([tokenizer("def add(a, b):\n    return a + b\n")["input_ids"]])
+    prompt_ids = [tokenizer(prompt)["input_ids"] for prompt in PROMPTS]
+    return dict(name=name, policy=policy, twin=twin, engine=engine, input_ids=input_ids_1T, prompt_ids=prompt_ids)
+
+
+def test_the_engine_shares_every_weight_and_patches_nothing_outside_its_calls(shared):
+    engine, policy = shared["engine"], shared["policy"]
+    assert engine.is_zero_copy and not engine.merge_lora
+    trainer_storage = {p.data_ptr() for p in policy.parameters()}
+    assert all(p.data_ptr() in trainer_storage for p in engine.causal_lm.parameters())
+    for name, (lora_A_RI, lora_B_OR) in engine.unmerged_lora.items():
+        assert lora_A_RI.data_ptr() in trainer_storage and lora_B_OR.data_ptr() in trainer_storage, name
+    engine.generate(PROMPTS[:1], SamplingParams(max_tokens=4))
+    patched = [name for name, module in policy.named_modules() if "forward" in module.__dict__]
+    assert not patched, f"engine forwards left on the trainer's modules: {patched[:3]}"
+
+
+def test_training_equals_an_untouched_models_before_and_after_rollouts(shared):
+    policy, twin, engine = shared["policy"], shared["twin"], shared["engine"]
+    assert_same_training(policy, twin, shared["input_ids"], "before rollouts")
+    sampled = engine.rollouts(PROMPTS, SamplingParams(n=2, temperature=1.0, max_tokens=12, seed=3, logprobs=0))
+    assert all(len(seq.output_ids) > 0 for group in sampled for seq in group)
+    engine.score([shared["prompt_ids"][0]])
+    assert_same_training(policy, twin, shared["input_ids"], "after rollouts")
+
+
+def test_greedy_tokens_follow_optimizer_steps_with_no_refresh(shared):
+    policy, engine, prompt_ids = shared["policy"], shared["engine"], shared["prompt_ids"]
+    base_layers = {name: p for name, p in policy.named_parameters() if "lora_" not in name}
+    base_before = sha256_of(base_layers)
+    greedy = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS)
+    before = [seq.output_ids for seq in engine.generate(prompt_ids, greedy)]
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=0.05)
+    for _ in range(2):
+        loss_and_grads(policy, shared["input_ids"])
+        optimizer.step()
+    after = [seq.output_ids for seq in engine.generate(prompt_ids, greedy)]
+    policy.eval()  # HF generate with its cache: not under gradient checkpointing
+    try:
+        assert after == hf_greedy(policy, prompt_ids, GREEDY_TOKENS, engine.end_ids), shared["name"]
+    finally:
+        policy.train()
+    assert after != before, f"{shared['name']}: two optimizer steps changed no greedy token: the test proves nothing"
+    assert sha256_of(base_layers) == base_before, "the frozen base changed"
+
+
+def test_a_replaced_adapter_weight_is_read_again_at_the_next_sync(shared):
+    """A trainer that replaces the adapter's tensors (TRL casts a 4-bit model's adapter to bf16 when it
+    starts) rather than updating them in place: refresh_lora (the TRL sync) points the engine at the
+    new ones."""
+    policy, engine, prompt_ids = shared["policy"], shared["engine"], shared["prompt_ids"]
+    lora_B = next(p for name, p in policy.named_parameters() if "lora_B" in name)
+    own = lora_B.data
+    greedy = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS)
+    before = [seq.output_ids for seq in engine.generate(prompt_ids, greedy)]
+    try:
+        lora_B.data = own * 40  # new storage, different values
+        engine.refresh_lora()
+        engine_tokens = [seq.output_ids for seq in engine.generate(prompt_ids, greedy)]
+        policy.eval()
+        assert engine_tokens == hf_greedy(policy, prompt_ids, GREEDY_TOKENS, engine.end_ids), shared["name"]
+        assert engine_tokens != before, f"{shared['name']}: the new B changed no greedy token: the test proves nothing"
+    finally:
+        policy.train()
+        lora_B.data = own
+        engine.refresh_lora()
+
+
+@pytest.mark.parametrize("option", ["merge_lora", "fuse_projections"])
+def test_options_that_rewrite_weights_are_refused_in_zero_copy(shared, option):
+    if shared["name"] != "qwen3":
+        pytest.skip("the refusal does not depend on the model")
+    with pytest.raises(FlexInferenceError, match=f"{option} needs a copy of the model of its own"):
+        FlexInference(
+            shared["policy"],
+            max_seq_length=256,
+            n_pages=64,
+            page_size=16,
+            peft_model=shared["policy"],
+            **{option: True},
+        )
+
+
+def test_sleep_gives_the_kv_pool_back_and_wake_up_generates_the_same_tokens(tiny_dir):
+    from conftest import load_hf, random_prompts
+
+    engine = FlexInference(load_hf(tiny_dir / "qwen3"), None, enable_sleep_mode=True, **LIMITS)
+    prompts = random_prompts([5, 30, 17], engine.vocab_size, seed=2)
+    greedy = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS)
+    before = [seq.output_ids for seq in engine.generate(prompts, greedy)]
+    caches = [t for cache in engine.runner.kv_caches if cache is not None for t in (cache.k_cache, cache.v_cache)]
+    pool_bytes = sum(t.untyped_storage().nbytes() for t in caches)
+    engine.sleep()
+    assert pool_bytes > 0 and sum(t.untyped_storage().nbytes() for t in caches) == 0, "the pool was not given back"
+    with pytest.raises(FlexInferenceError, match="asleep"):
+        engine.generate(prompts, greedy)
+    engine.wake_up()
+    assert sum(t.untyped_storage().nbytes() for t in caches) == pool_bytes
+    assert [seq.output_ids for seq in engine.generate(prompts, greedy)] == before
+
+
+def test_sleep_without_sleep_mode_is_refused_in_one_sentence(shared):
+    if shared["name"] != "qwen3":
+        pytest.skip("the refusal does not depend on the model")
+    with pytest.raises(FlexInferenceError, match="enable_sleep_mode=True"):
+        shared["engine"].sleep()
