@@ -235,9 +235,13 @@ class FlexInference:
     need a copy of their own. For full fine-tuning, the trainer's model as `model` (no peft_model)
     shares its weights the same way.
 
-    `n_pages` None sizes the KV pool to the device (`kv_pool_pages`); a pool larger than the
-    device's free memory is refused before it is allocated. `enable_sleep_mode` lets `sleep()` give
-    the pool's memory back while a trainer trains, and `wake_up()` take it again, CUDA graphs intact.
+    The KV pool holds `n_pages` pages of `page_size` tokens (page 0 reserved), or is sized from a
+    memory budget: `kv_cache_gb` (GB of 1e9 bytes) or `kv_cache_memory_fraction` (a share of the
+    device's free memory when the engine is built), at most one of the three. Given none, it is
+    sized to the device (`kv_pool_pages`). A pool larger than the device's free memory, or a
+    budget that cannot hold one sequence of `max_seq_length`, is refused before anything is
+    allocated. `enable_sleep_mode` lets `sleep()` give the pool's memory back while a trainer
+    trains, and `wake_up()` take it again, CUDA graphs intact.
     """
 
     runner_class: type | None = None  # None: ModelRunner (Qwen3, Llama); FlexGemma4Inference sets its own
@@ -249,7 +253,9 @@ class FlexInference:
         tokenizer=None,
         max_batch_size: int = 32,
         max_seq_length: int = 2048,
-        n_pages: int | None = 2048,
+        n_pages: int | None = None,
+        kv_cache_gb: float | None = None,
+        kv_cache_memory_fraction: float | None = None,
         page_size: int = 128,
         max_new_tokens: int = 512,
         decode_kernel_options: dict | None = None,
@@ -265,7 +271,9 @@ class FlexInference:
         decode_attention: str | None = None,
         enable_sleep_mode: bool = False,
     ):
-        check_engine_limits(max_batch_size, max_seq_length, n_pages, page_size, max_new_tokens)
+        check_engine_limits(
+            max_batch_size, max_seq_length, n_pages, page_size, max_new_tokens, kv_cache_gb, kv_cache_memory_fraction
+        )
         self.model = model
         self.causal_lm = unwrap_causal_lm(model)
         # zero copy: the model is a trainer's (its adapter trains), so the engine shares it and never writes it
@@ -312,6 +320,8 @@ class FlexInference:
             page_size,
             self.causal_lm.model.embed_tokens.weight.dtype,  # the runner's dtype, its caches' too
             device,
+            kv_cache_gb,
+            kv_cache_memory_fraction,
         )
         page_tables = {
             regime: PageTable(page_size, pool_sizes[regime], max_batch_size + 1, max_seq_length, device)
@@ -759,8 +769,18 @@ def eos_token_ids(*configs) -> set[int]:
     return end_ids
 
 
-def check_engine_limits(max_batch_size, max_seq_length, n_pages, page_size, max_new_tokens) -> None:
-    """Bad sizes fail here with one sentence, before anything is allocated (n_pages None: auto, sized later)."""
+def check_engine_limits(
+    max_batch_size,
+    max_seq_length,
+    n_pages,
+    page_size,
+    max_new_tokens,
+    kv_cache_gb: float | None = None,
+    kv_cache_memory_fraction: float | None = None,
+) -> None:
+    """Bad sizes fail here with one sentence, before anything is allocated (n_pages None: from a
+    memory budget or auto, sized later by `kv_pool_pages`)."""
+    check_kv_cache_budget(n_pages, kv_cache_gb, kv_cache_memory_fraction)
     if max_batch_size < 1:
         raise FlexInferenceError(f"max_batch_size must be at least 1, got {max_batch_size}", "max_batch_size")
     if page_size < 16 or page_size & (page_size - 1):
@@ -776,6 +796,22 @@ def check_engine_limits(max_batch_size, max_seq_length, n_pages, page_size, max_
             f"the page pool ({n_pages} pages of {page_size}, one reserved) cannot hold even one sequence of "
             f"max_seq_length {max_seq_length}: raise n_pages to at least {max_seq_length // page_size + 1}",
             "n_pages",
+        )
+
+
+def check_kv_cache_budget(n_pages, kv_cache_gb, kv_cache_memory_fraction) -> None:
+    """At most one of n_pages and the two memory budgets sizes the KV pool; a budget in GB is
+    positive and finite, a share of the free memory in (0, 1]."""
+    sizes = {"n_pages": n_pages, "kv_cache_gb": kv_cache_gb, "kv_cache_memory_fraction": kv_cache_memory_fraction}
+    given = [name for name, value in sizes.items() if value is not None]
+    if len(given) > 1:
+        raise FlexInferenceError(f"{given[0]} and {given[1]} both size the KV pool: pass one of them", *given[:2])
+    if kv_cache_gb is not None and not (math.isfinite(kv_cache_gb) and kv_cache_gb > 0):
+        raise FlexInferenceError(f"kv_cache_gb must be a positive number of GB, got {kv_cache_gb}", "kv_cache_gb")
+    if kv_cache_memory_fraction is not None and not 0 < kv_cache_memory_fraction <= 1:  # NaN too
+        raise FlexInferenceError(
+            f"kv_cache_memory_fraction is a share of the free memory, in (0, 1], got {kv_cache_memory_fraction}",
+            "kv_cache_memory_fraction",
         )
 
 
@@ -1176,8 +1212,9 @@ def pool_pages(n_pages: int, sliding_window: int | None, max_batch_size: int, pa
     return min(n_pages, max_batch_size * pages_per_sequence + 1)
 
 
-# n_pages None (auto): the full-attention pool on CUDA (sized for an H200), and on the CPU the share
-# of the free RAM the pools may take at most (the rest is for activations and everything else).
+# n_pages None without a memory budget (auto): the full-attention pool on CUDA (sized for an H200),
+# and on the CPU the share of the free RAM the pools may take at most (the rest is for activations
+# and everything else).
 CUDA_AUTO_N_PAGES = 2048
 CPU_AUTO_MEMORY_FRACTION = 0.5
 
@@ -1191,13 +1228,19 @@ def kv_pool_pages(
     page_size: int,
     dtype: torch.dtype,
     device: torch.device,
+    kv_cache_gb: float | None = None,
+    kv_cache_memory_fraction: float | None = None,
 ) -> dict[str, int]:
     """Pages of each attention regime's pool, checked against the device's free memory before any is allocated.
 
     `kv_heads` is the runner's `kv_cache_heads`: per layer, (regime, KV heads, head_dim) of the cache
-    it owns, or None. n_pages None is auto: CUDA_AUTO_N_PAGES on CUDA; elsewhere enough pages for
-    `max_batch_size` sequences of `max_seq_length`, cut to what fits in CPU_AUTO_MEMORY_FRACTION of the
-    free memory (one sequence at least).
+    it owns, or None. n_pages is the full-attention pool's size; the sliding-window pools follow it
+    (`pool_pages`). A memory budget, `kv_cache_gb` (GB of 1e9 bytes) or `kv_cache_memory_fraction`
+    (a share of the device's free memory now), sets n_pages to the most pages whose pools together
+    fit in it, up to what `max_batch_size` sequences of `max_seq_length` can hold (pages past that
+    are never used); a budget that cannot hold one such sequence is refused. n_pages None without
+    a budget is auto: CUDA_AUTO_N_PAGES on CUDA; elsewhere a budget of CPU_AUTO_MEMORY_FRACTION of
+    the free memory, but one sequence at least.
     """
     # K and V bytes per token of each regime's pool, summed over the layers that own a cache
     bytes_per_token = dict.fromkeys(sliding_windows, 0)
@@ -1212,16 +1255,38 @@ def kv_pool_pages(
             for regime, window in sliding_windows.items()
         )
 
+    one_sequence_pages = max_seq_length // page_size + 1  # page 0 is reserved
+    all_sequences_pages = max_batch_size * (max_seq_length // page_size) + 1
+
+    def pages_within(budget_bytes: float) -> int:
+        """The most pages, up to all_sequences_pages, whose pools take at most budget_bytes
+        (binary search: pool_bytes grows with n, and pool_bytes(0) is 0)."""
+        low, high = 0, all_sequences_pages
+        while low < high:
+            middle = (low + high + 1) // 2
+            low, high = (middle, high) if pool_bytes(middle) <= budget_bytes else (low, middle - 1)
+        return low
+
     free_bytes = free_memory_bytes(device)
-    if n_pages is None and device.type == "cuda":
+    budget = kv_cache_budget(kv_cache_gb, kv_cache_memory_fraction, free_bytes, device)
+    if budget is not None:
+        budget_bytes, budget_text, budget_param = budget
+        n_pages = pages_within(budget_bytes)
+        if n_pages < one_sequence_pages:
+            raise FlexInferenceError(
+                f"a KV budget of {budget_bytes / 1e9:.3g} GB ({budget_text}) cannot hold one sequence of "
+                f"max_seq_length {max_seq_length}, which needs {pool_bytes(one_sequence_pages) / 1e9:.3g} GB "
+                f"({one_sequence_pages} pages of {page_size} tokens, page 0 reserved): raise {budget_param}, "
+                "or lower max_seq_length",
+                budget_param,
+                "max_seq_length",
+            )
+    elif n_pages is None and device.type == "cuda":
         n_pages = CUDA_AUTO_N_PAGES
     elif n_pages is None:
-        n_pages = max_batch_size * (max_seq_length // page_size) + 1
-        full_page_bytes = page_size * sum(bytes_per_token[r] for r, window in sliding_windows.items() if window is None)
-        if free_bytes is not None and full_page_bytes:
-            # the sliding-window pools are counted at their largest, so this errs on the small side
-            budget = CPU_AUTO_MEMORY_FRACTION * free_bytes - (pool_bytes(n_pages) - n_pages * full_page_bytes)
-            n_pages = min(n_pages, max(max_seq_length // page_size + 1, int(budget // full_page_bytes)))
+        n_pages = all_sequences_pages
+        if free_bytes is not None:
+            n_pages = max(one_sequence_pages, pages_within(CPU_AUTO_MEMORY_FRACTION * free_bytes))
     needed_bytes = pool_bytes(n_pages)
     if free_bytes is not None and needed_bytes > free_bytes:
         raise FlexInferenceError(
@@ -1233,6 +1298,33 @@ def kv_pool_pages(
             "max_seq_length",
         )
     return {regime: pool_pages(n_pages, w, max_batch_size, page_size) for regime, w in sliding_windows.items()}
+
+
+def kv_cache_budget(
+    kv_cache_gb: float | None, kv_cache_memory_fraction: float | None, free_bytes: int | None, device: torch.device
+) -> tuple[float, str, str] | None:
+    """The KV pool's memory budget: (bytes, how it was given, its parameter), or None when none is
+    given. A budget in GB beyond the free memory is refused, as is a share of a device whose free
+    memory is unknown."""
+    if kv_cache_gb is not None:
+        if free_bytes is not None and kv_cache_gb * 1e9 > free_bytes:
+            raise FlexInferenceError(
+                f"kv_cache_gb asks for {kv_cache_gb:g} GB of KV pool but {device} has {free_bytes / 1e9:.3g} GB "
+                "free: lower kv_cache_gb",
+                "kv_cache_gb",
+            )
+        return round(kv_cache_gb * 1e9), f"kv_cache_gb {kv_cache_gb:g}", "kv_cache_gb"
+    if kv_cache_memory_fraction is not None:
+        if free_bytes is None:
+            raise FlexInferenceError(
+                f"{device} does not report its free memory, so kv_cache_memory_fraction cannot size the KV "
+                "pool: pass kv_cache_gb instead",
+                "kv_cache_memory_fraction",
+                "kv_cache_gb",
+            )
+        budget_text = f"kv_cache_memory_fraction {kv_cache_memory_fraction:g} of the {free_bytes / 1e9:.3g} GB free"
+        return kv_cache_memory_fraction * free_bytes, budget_text, "kv_cache_memory_fraction"
+    return None
 
 
 def free_memory_bytes(device: torch.device) -> int | None:
@@ -1484,6 +1576,11 @@ class ModelRunner:
     @property
     def kv_bytes_per_token(self) -> int:
         return sum(cache.bytes_per_token for cache in self.kv_caches if cache is not None)
+
+    @property
+    def kv_pool_bytes(self) -> int:
+        """Bytes of every layer's K and V pool together."""
+        return sum(cache.k_cache.nbytes + cache.v_cache.nbytes for cache in self.kv_caches if cache is not None)
 
     def flush_page_tables(self) -> None:
         for table in self.page_tables.values():
@@ -4458,7 +4555,22 @@ def build_arg_parser(default_model_name: str, description: str) -> argparse.Argu
         default=None,
         help=f"pages in the KV pool, page 0 reserved (default: auto: {CUDA_AUTO_N_PAGES} on CUDA; on the CPU "
         "enough for max_batch_size sequences of max_seq_length, within "
-        f"{CPU_AUTO_MEMORY_FRACTION * 100:.0f}%% of the free RAM); a pool larger than the free memory is refused",
+        f"{CPU_AUTO_MEMORY_FRACTION * 100:.0f}%% of the free RAM); a pool larger than the free memory is refused; "
+        "--kv_cache_gb or --kv_cache_memory_fraction size it from a memory budget instead",
+    )
+    p.add_argument(
+        "--kv_cache_gb",
+        type=float,
+        default=None,
+        help="a memory budget for the KV pool in GB (1e9 bytes): the pool gets the most pages that fit in it, up to "
+        "what max_batch_size sequences of max_seq_length can use (default: none, --n_pages sizes the pool)",
+    )
+    p.add_argument(
+        "--kv_cache_memory_fraction",
+        type=float,
+        default=None,
+        help="a memory budget for the KV pool as a share, in (0, 1], of the device's free memory when the engine "
+        "is built, sized as --kv_cache_gb (default: none, --n_pages sizes the pool)",
     )
     p.add_argument("--page_size", type=int, default=128, help="tokens per KV page")
     p.add_argument("--capture_cudagraph", action="store_true", help="decode through CUDA graphs, one per batch bucket")
@@ -4590,8 +4702,8 @@ def cli_message(error: FlexInferenceError, flags) -> str:
 # Flags passed on as they are: to the model loader, and to the engine.
 LOADER_FLAGS = ("load_format", "load_in_4bit", "trust_remote_code", "allow_pickle_weights", "seed")
 ENGINE_FLAGS = (
-    "max_batch_size", "max_seq_length", "n_pages", "page_size", "max_new_tokens", "fa4_prefill", "compile_decode",
-    "fuse_projections", "skinny_gemms", "decode_attention",
+    "max_batch_size", "max_seq_length", "n_pages", "kv_cache_gb", "kv_cache_memory_fraction", "page_size",
+    "max_new_tokens", "fa4_prefill", "compile_decode", "fuse_projections", "skinny_gemms", "decode_attention",
 )  # fmt: skip
 
 
@@ -4610,7 +4722,15 @@ def check_cli_args(args) -> None:
         check_adapter_folder(args.lora_adapter)
     if args.stats_path is not None:
         check_writable_file(args.stats_path, "--stats_path")
-    check_engine_limits(args.max_batch_size, args.max_seq_length, args.n_pages, args.page_size, args.max_new_tokens)
+    check_engine_limits(
+        args.max_batch_size,
+        args.max_seq_length,
+        args.n_pages,
+        args.page_size,
+        args.max_new_tokens,
+        args.kv_cache_gb,
+        args.kv_cache_memory_fraction,
+    )
 
 
 def check_writable_file(path: str, flag: str) -> None:
@@ -4770,6 +4890,9 @@ def run_rounds(args, engine_class, load_model, default_chat_template: str, load_
         "max_new_tokens": args.max_new_tokens,
         "peak_memory_gb": max(r["peak_memory_gb"] for r in ranks),
         "kv_bytes_per_token": engine.runner.kv_bytes_per_token,
+        # The KV pool as built: pages per attention regime's pool (page 0 reserved in each), all pools' GB.
+        "kv_pool_pages": {regime: table.n_pages for regime, table in engine.scheduler.page_tables.items()},
+        "kv_pool_gb": engine.runner.kv_pool_bytes / 1e9,
         "load_s": load_s,
         "capture_s": rank_stats["capture_s"],
         # Summed over the ranks (one rank in a plain run).
@@ -4800,7 +4923,8 @@ def print_summary(stats: dict, args, is_random: bool) -> None:
     n = stats["sampling"]["n"]
     print(
         f"{stats['backend']}: {stats['n_prompts']} prompts x {n} completion{'s' * (n > 1)}{on_ranks}, "
-        f"{stats['n_decoded_tokens']} new tokens a round, peak {stats['peak_memory_gb']:.2f} GB"
+        f"{stats['n_decoded_tokens']} new tokens a round, KV pool {stats['kv_pool_gb']:.3g} GB, "
+        f"peak {stats['peak_memory_gb']:.2f} GB"
     )
     capture = f", CUDA graphs captured in {stats['capture_s']:.1f} s" if stats.get("capture_s") else ""
     print(f"start-up: load {stats['load_s']:.1f} s, first round (compiles) {stats['first_round_s']:.2f} s{capture}")

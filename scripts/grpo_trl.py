@@ -49,6 +49,7 @@ from qwen3_flex_inference import (
     FlexInference,
     FlexInferenceError,
     HelpFormatter,
+    check_kv_cache_budget,
     cli_message,
     demo_prompts,
     load_config,
@@ -102,6 +103,19 @@ def build_arg_parser() -> argparse.ArgumentParser:
         default=1024,
         help="engine: longest prompt + completion, a multiple of the page size (16 on the CPU, 128 on CUDA)",
     )
+    p.add_argument(
+        "--kv_cache_gb",
+        type=float,
+        default=None,
+        help="engine: a memory budget for the KV pool in GB (default: none, the pool sized to the device)",
+    )
+    p.add_argument(
+        "--kv_cache_memory_fraction",
+        type=float,
+        default=None,
+        help="engine: a memory budget for the KV pool as a share, in (0, 1], of the device's free memory when the "
+        "engine is built (default: none, the pool sized to the device)",
+    )
     p.add_argument("--capture_cudagraph", action="store_true", help="engine: CUDA-graph decode (CUDA only)")
     p.add_argument("--compile_decode", action="store_true", help="engine: torch.compile the decode step")
     p.add_argument("--fuse_projections", action="store_true", help="engine: one GEMM for q/k/v and for gate/up")
@@ -136,6 +150,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
 # The flags that only the engine's rollouts use; --backend hf refuses them rather than ignore them.
 ENGINE_ONLY_FLAGS = (
+    "kv_cache_gb",
+    "kv_cache_memory_fraction",
     "capture_cudagraph",
     "compile_decode",
     "fuse_projections",
@@ -163,6 +179,7 @@ def check_args(args) -> None:
         raise FlexInferenceError(f"--stdlib {args.stdlib} is not a folder: name the standard library's root")
     if args.out is not None and (Path(args.out).is_dir() or not Path(args.out).parent.is_dir()):
         raise FlexInferenceError(f"--out {args.out} is not a file in an existing folder: name one")
+    check_kv_cache_budget(None, args.kv_cache_gb, args.kv_cache_memory_fraction)
     device, _ = resolve_device_and_dtype(args.device, args.dtype)
     if args.backend == "hf":
         for flag in ENGINE_ONLY_FLAGS:
@@ -384,7 +401,8 @@ def run(args) -> None:
             tokenizer,
             max_batch_size=args.num_prompts * args.num_generations,
             max_seq_length=args.max_seq_length,
-            n_pages=None,
+            kv_cache_gb=args.kv_cache_gb,
+            kv_cache_memory_fraction=args.kv_cache_memory_fraction,
             page_size=engine_page_size(device),
             peft_model=policy,
             base_model=policy,  # a copy's pristine weights: the trainer's frozen base

@@ -39,7 +39,7 @@ STATS_KEYS = [
     "backend", "model_name", "capture_cudagraph", "lora_adapter", "n_prompts", "n_decoded_tokens",
     "wall_times_s", "first_round_s", "timed_rounds", "median_wall_s", "best_wall_s", "decode_tps_median",
     "decode_tps_best", "n_cut_by_max_seq_length",
-    "max_new_tokens", "peak_memory_gb", "sample_completions",
+    "max_new_tokens", "peak_memory_gb", "kv_pool_pages", "kv_pool_gb", "sample_completions",
 ]  # fmt: skip
 
 
@@ -144,6 +144,13 @@ def check_sane_stats(stats: dict, model_name: str, n_rounds: int) -> None:
     assert stats["median_wall_s"] == pytest.approx(statistics.median(timed)), (stats["median_wall_s"], walls)
     assert stats["best_wall_s"] == pytest.approx(min(timed)), (stats["best_wall_s"], walls)
     assert stats["n_cut_by_max_seq_length"] == 0, stats["n_cut_by_max_seq_length"]
+    assert stats["kv_pool_pages"]["full_attention"] == 64, stats["kv_pool_pages"]  # LIMITS' --n_pages
+    # every pool at most --n_pages pages (a sliding-window pool fewer)
+    pool_bytes = stats["kv_pool_gb"] * 1e9
+    assert 0 < pool_bytes <= 64 * 16 * stats["kv_bytes_per_token"] * (1 + 1e-9), (
+        pool_bytes,
+        stats["kv_bytes_per_token"],
+    )
     tps = [n_decoded / t for t in timed]
     assert stats["decode_tps_median"] > 0 and stats["decode_tps_best"] > 0, (
         stats["decode_tps_median"],

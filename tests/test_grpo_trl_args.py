@@ -43,6 +43,16 @@ BAD_ARGS = {
         ["--engine_weights", "shared", "--fuse_projections"],
         "--fuse_projections rewrites the weights into fused copies",
     ),
+    "hf with a kv budget": (["--backend", "hf", "--kv_cache_gb", "1"], "--kv_cache_gb acts on the engine's"),
+    "two kv budgets": (
+        ["--kv_cache_gb", "1", "--kv_cache_memory_fraction", "0.5"],
+        "--kv_cache_gb and --kv_cache_memory_fraction both size the KV pool: pass one of them",
+    ),
+    "zero kv budget": (["--kv_cache_gb", "0"], "--kv_cache_gb must be a positive number of GB, got 0.0"),
+    "kv share above one": (
+        ["--kv_cache_memory_fraction", "1.5"],
+        "--kv_cache_memory_fraction is a share of the free memory, in (0, 1], got 1.5",
+    ),
     "cudagraph on the cpu": (["--device", "cpu", "--capture_cudagraph"], "--capture_cudagraph needs a CUDA device"),
     "sequence off the page size": (
         ["--device", "cpu", "--max_seq_length", "1000"],
@@ -97,10 +107,40 @@ def test_more_prompts_than_the_task_has_are_refused_before_loading(refuses_to_lo
         ["--backend", "hf"],
         ["--device", "cpu", "--num_prompts", "8", "--num_generations", "8", "--max_completion_length", "48"],
         ["--load_format", "dummy", "--tokenizer", "t", "--device", "cpu", "--max_seq_length", "128", "--out", "m.json"],
+        ["--device", "cpu", "--kv_cache_gb", "0.5"],
+        ["--device", "cpu", "--kv_cache_memory_fraction", "0.25"],
     ],
 )
 def test_good_flags_pass_the_checks(argv):
     grpo_trl.check_args(grpo_trl.build_arg_parser().parse_args(argv))
+
+
+@pytest.mark.parametrize(
+    "argv, budget",
+    [
+        (["--kv_cache_gb", "0.5"], dict(kv_cache_gb=0.5, kv_cache_memory_fraction=None)),
+        (["--kv_cache_memory_fraction", "0.25"], dict(kv_cache_gb=None, kv_cache_memory_fraction=0.25)),
+        ([], dict(kv_cache_gb=None, kv_cache_memory_fraction=None)),
+    ],
+    ids=["gb", "fraction", "none"],
+)
+def test_kv_budget_flags_reach_the_engine(argv, budget, monkeypatch, capsys):
+    """The engine is built with the budget flags as given, and n_pages left to them (None)."""
+    pytest.importorskip("trl", reason="requirements.txt installs trl on Python >= 3.11 only")
+    built = {}
+
+    def engine_class(*args, **kwargs):
+        built.update(kwargs)
+        raise grpo_trl.FlexInferenceError("engine built")
+
+    monkeypatch.setattr(grpo_trl, "FlexInference", engine_class)
+    argv = ["--device", "cpu", "--task", "digits", "--num_prompts", "1", "--num_generations", "2", *argv]
+    with pytest.raises(SystemExit):
+        grpo_trl.main(argv)
+    line = capsys.readouterr().err.strip().splitlines()[-1]  # after the loaders' progress bars
+    assert line == "error: engine built", f"{line=}"
+    got = {name: built.get(name, "missing") for name in ("kv_cache_gb", "kv_cache_memory_fraction")}
+    assert got == budget and built.get("n_pages") is None, f"{got=} {built.get('n_pages')=}"
 
 
 def test_help_shows_every_default():
