@@ -608,25 +608,28 @@ def test_refresh_lora_without_a_peft_model_is_refused_with_one_sentence(qwen3_en
     assert_one_sentence(str(info.value), "no LoRA adapter", "peft_model=", "load_weights")
 
 
-def test_the_trainers_own_model_handed_to_the_engine_is_refused_before_any_patch(tiny_dir):
-    """FlexInference(policy, peft_model=policy, base_model=policy) would patch the trainer's modules
-    (its backward then fails in skinny_linear) and merge into the pristine copy; a rollout_func whose
-    engine runs the trainer's model is refused at its first sync."""
+def test_a_trainers_own_model_is_refused_only_where_the_engine_would_rewrite_it(tiny_dir):
+    """Zero copy runs the trainer's own PEFT model (tests/test_zero_copy.py); merging the adapter into
+    it or fusing its projections would rewrite the trainer's weights: refused in one sentence before
+    anything changes. A full model the engine fused is refused at the trainer's first sync."""
     from conftest import load_hf
     from peft import LoraConfig, get_peft_model
 
     policy = get_peft_model(load_hf(tiny_dir / "qwen3"), LoraConfig(r=4, target_modules=LORA_TARGETS))
-    forwards = {name: module.forward for name, module in policy.named_modules()}
+    weights = {name: p.data_ptr() for name, p in policy.named_parameters()}
     limits = dict(max_batch_size=2, max_seq_length=256, n_pages=64, page_size=16)
-    with pytest.raises(FlexInferenceError) as info:
-        FlexInference(policy, None, peft_model=policy, base_model=policy, **limits)
-    assert_one_sentence(str(info.value), "trainer's own model", "a copy of its own")
-    assert {name: module.forward for name, module in policy.named_modules()} == forwards, "a module was patched"
+    for option in ("merge_lora", "fuse_projections"):
+        with pytest.raises(FlexInferenceError) as info:
+            FlexInference(policy, None, peft_model=policy, **limits, **{option: True})
+        assert_one_sentence(str(info.value), "trainer's own model", option, "a copy of the model of its own")
+    assert {name: p.data_ptr() for name, p in policy.named_parameters()} == weights, "a weight was rewritten"
+    assert not [name for name, module in policy.named_modules() if "forward" in module.__dict__], "a module patched"
 
-    engine = FlexInference(policy, None, peft_model=policy, **limits)  # inference on a PEFT model: allowed
+    full_model = load_hf(tiny_dir / "qwen3")
+    engine = FlexInference(full_model, None, fuse_projections=True, **limits)
     with pytest.raises(FlexInferenceError) as info:
-        qwen3_flex_inference.sync_trainer_weights(engine, policy)
-    assert_one_sentence(str(info.value), "trainer's own model")
+        qwen3_flex_inference.sync_trainer_weights(engine, full_model)
+    assert_one_sentence(str(info.value), "trainer's own model", "fused projections")
 
 
 def test_a_long_prompt_gets_the_engines_sentence_and_no_tokenizer_warning(qwen3_engine, capfd, monkeypatch):
