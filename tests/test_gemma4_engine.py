@@ -177,8 +177,8 @@ def test_prefill_shortcut_runs_kv_shared_layers_on_last_positions_only(case):
     engine, config = case["engine"], case["hf"].config
     first_shared = config.num_hidden_layers - config.num_kv_shared_layers
     rows_seen = {}
-    hooks = [
-        layer.register_forward_hook(
+    hooks = [  # on each layer's MLP: the engine runs decoder layers by their forward, which calls no hook
+        layer.mlp.register_forward_hook(
             lambda module, args, output, i=i: rows_seen.setdefault(i, []).append(output.shape[1])
         )
         for i, layer in enumerate(engine.runner.decoder.layers)
