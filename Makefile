@@ -1,7 +1,7 @@
 # make run  - the main job: the Gemma-4 engine on the embedded trained Gemma-4 checkpoint (CPU; the
 #             CI size of scripts/train_checkpoints.py, committed), or on the real unsloth/gemma-4-E2B-it
 #             where a GPU and the hub are there
-# make test - the whole test suite (CPU, float32; GPU-only tests skip without CUDA)
+# make test - the whole test suite (CPU, float32; GPU-only tests skip without CUDA), on two workers
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -23,7 +23,7 @@ run: install
 	$(PY) -m scripts.run_main
 
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 clean:
 	rm -rf $(VENV) checkpoints out
