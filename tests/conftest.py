@@ -13,6 +13,18 @@ from scripts.make_tiny_checkpoints import ensure_tiny_checkpoints
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# A CLI run that is over in seconds: one short round on the CPU, small limits, no progress output.
+QUICK_CLI_ARGS = [
+    "--device", "cpu",
+    "--n_prompts", "1",
+    "--n_rounds", "1",
+    "--max_new_tokens", "4",
+    "--max_batch_size", "2",
+    "--max_seq_length", "256",
+    "--page_size", "16",
+    "--quiet",
+]  # fmt: skip
+
 
 @pytest.fixture(scope="session")
 def tiny_dir() -> Path:

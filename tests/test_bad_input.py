@@ -13,22 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_one_sentence, exit_message
+from conftest import QUICK_CLI_ARGS, assert_one_sentence, exit_message
 
 import gemma4_flex_inference
 import qwen3_flex_inference
 from qwen3_flex_inference import FlexInference, FlexInferenceError
 
-LIMITS = [
-    "--device", "cpu",
-    "--n_prompts", "1",
-    "--n_rounds", "1",
-    "--max_new_tokens", "4",
-    "--max_batch_size", "2",
-    "--max_seq_length", "256",
-    "--page_size", "16",
-    "--quiet",
-]  # fmt: skip
+LIMITS = QUICK_CLI_ARGS
 ROOT = Path(__file__).resolve().parents[1]
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from conftest import assert_one_sentence, exit_message
+from conftest import QUICK_CLI_ARGS, assert_one_sentence, exit_message
 
 import qwen3_flex_inference
 from gemma4_flex_inference import FlexGemma4Inference, load_gemma4
@@ -205,16 +205,7 @@ def test_bad_budget_values_are_refused_before_anything_is_built(qwen3_model, mon
 # The CLI
 # ---------------------------------------------------------------------------------------------
 
-LIMITS = [
-    "--device", "cpu",
-    "--n_prompts", "1",
-    "--n_rounds", "1",
-    "--max_new_tokens", "4",
-    "--max_batch_size", "2",
-    "--max_seq_length", str(MAX_SEQ_LENGTH),
-    "--page_size", str(PAGE_SIZE),
-    "--quiet",
-]  # fmt: skip
+LIMITS = QUICK_CLI_ARGS  # its --max_seq_length and --page_size are MAX_SEQ_LENGTH and PAGE_SIZE
 
 
 # tiny Qwen3: 2 layers x K and V x 2 KV heads x head_dim 16 x float32 bytes x page_size tokens
