@@ -2180,7 +2180,8 @@ class RemappableCudaMemory:
     def __init__(self, num_bytes: int, device: torch.device):
         self.driver = ctypes.CDLL("libcuda.so.1")
         self.device = device
-        location = _CuMemLocation(CU_MEM_LOCATION_TYPE_DEVICE, device.index or 0)
+        ordinal = device.index if device.index is not None else torch.cuda.current_device()
+        location = _CuMemLocation(CU_MEM_LOCATION_TYPE_DEVICE, ordinal)
         self.properties = _CuMemAllocationProp(type=CU_MEM_ALLOCATION_TYPE_PINNED, location=location)
         granularity = ctypes.c_size_t()
         self.call("cuMemGetAllocationGranularity", ctypes.byref(granularity), ctypes.byref(self.properties), 0)
