@@ -2216,6 +2216,12 @@ class RemappableCudaMemory:
         self.call("cuMemRelease", self.handle)
         self.handle = None
 
+    def __del__(self) -> None:  # the engine is gone (its pool tensors and graphs with it): give back the range
+        if self.handle is not None:
+            torch.cuda.synchronize(self.device)
+            self.unmap()
+        self.driver.cuMemAddressFree(self.address, ctypes.c_size_t(self.num_bytes))
+
     def tensor(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
         """A tensor over the memory (the memory must outlive it: the engine holds both)."""
         interface = {"data": (self.address.value, False), "shape": (self.num_bytes,), "typestr": "|u1", "version": 3}

@@ -182,8 +182,8 @@ run() {  # run NAME CMD...: logs the command, its status and its time
         run trl_e2b_engine $PY -m scripts.grpo_trl $e2b $grpo $fastest --steps 4 --out "$OUT/trl_e2b_engine.json"
         run trl_e2b_hf $PY -m scripts.grpo_trl $e2b $grpo --backend hf --steps 4 --out "$OUT/trl_e2b_hf.json" ;;
       zero_copy)
-        run gpu_tests_zero_copy $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py -k zero_copy
-        grpo="--device cuda --dtype bfloat16 --num_prompts 8 --num_generations 8 --max_completion_length 256 --steps 4"
+        [ -n "${ZERO_COPY_SKIP_TESTS:-}" ] || run gpu_tests_zero_copy $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py -k zero_copy
+        grpo="--device cuda --dtype bfloat16 --num_prompts 8 --num_generations 8 --max_completion_length 256 --steps ${ZERO_COPY_STEPS:-4}"
         e2b="--model_name unsloth/gemma-4-E2B-it --load_format dummy --tokenizer $tiny/gemma4 --lora_r ${LORA_R:-16}"
         for kind in ${ZERO_COPY_RUNS:-zero_copy copy hf}; do
           case $kind in
@@ -191,8 +191,49 @@ run() {  # run NAME CMD...: logs the command, its status and its time
             copy) options="$fastest" ;;
             hf) options="--backend hf" ;;
           esac
-          run trl_e2b_$kind $PY -m scripts.grpo_trl $e2b $grpo $options --out "$OUT/trl_e2b_$kind.json"
+          run trl_e2b_${kind}_r${LORA_R:-16} $PY -m scripts.grpo_trl $e2b $grpo $options --out "$OUT/trl_e2b_${kind}_r${LORA_R:-16}.json"
         done ;;
+      card)  # the largest GRPO batch on a smaller card, simulated (--gpu_memory_gb), each backend
+        card_gb=${CARD_GB:-24}
+        mkdir -p out/card
+        grpo="--device cuda --dtype bfloat16 --num_generations 8 --max_completion_length 256 --steps 2 --micro_batch_size 8"
+        grpo="$grpo --gradient_checkpointing --gpu_memory_gb $card_gb"
+        e2b="--model_name unsloth/gemma-4-E2B-it --load_format dummy --tokenizer $tiny/gemma4 --lora_r 16"
+        for kind in ${CARD_RUNS:-zero_copy hf copy}; do
+          case $kind in
+            zero_copy) options="--capture_cudagraph --compile_decode --engine_weights shared --enable_sleep_mode --kv_cache_gb 1.5" ;;
+            copy) options="$fastest --kv_cache_gb 1.5" ;;
+            hf) options="--backend hf" ;;
+          esac
+          # num_prompts doubles from $CARD_START (8 prompts: 64 completions) while it fits, halves while it does not
+          fits=0 fails=128 num_prompts=${CARD_START:-8}
+          while [ "$num_prompts" -ge 1 ] && [ "$num_prompts" -lt "$fails" ] && [ "$num_prompts" -gt "$fits" ]; do
+            name=${kind}_$((num_prompts * 8))
+            run card_$name $PY -m scripts.grpo_trl $e2b $grpo $options --num_prompts "$num_prompts" --out "out/card/$name.json" \
+              2> "out/card/$name.err"
+            status=$?
+            tail -n 3 "out/card/$name.err"
+            if [ $status -eq 0 ]; then
+              fits=$num_prompts num_prompts=$((num_prompts * 2))
+            elif grep -q "out of GPU memory" "out/card/$name.err"; then
+              fails=$num_prompts num_prompts=$((num_prompts / 2))
+            else
+              echo "== card $kind: $name failed, not for memory: the search stops"; break
+            fi
+            [ "$num_prompts" -gt 64 ] && break
+          done
+          echo "== card ${card_gb} GB, $kind: the largest GRPO batch that fits is $((fits * 8)) completions (8 a prompt)"
+        done
+        $PY - "$OUT/card_${card_gb}gb.json" <<'PYEOF'
+import json, pathlib, sys
+runs = {}
+for path in sorted(pathlib.Path("out/card").glob("*.err")):
+    report = path.with_suffix(".json")
+    errors = [line for line in path.read_text().splitlines() if line.startswith("error:")]
+    runs[path.stem] = json.loads(report.read_text()) if report.exists() else {"error": errors[-1] if errors else None}
+pathlib.Path(sys.argv[1]).write_text(json.dumps(runs, indent=1))
+PYEOF
+        ;;
       fourbit)
         run gpu_tests_4bit $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py -k 4bit
         system=engine_compiled_graph

@@ -132,6 +132,23 @@ def build_arg_parser() -> argparse.ArgumentParser:
         "read live); copy loads an inference copy (--fuse_projections needs one); auto: shared unless "
         "--fuse_projections",
     )
+    p.add_argument(
+        "--micro_batch_size",
+        type=int,
+        default=None,
+        help="completions in each of the trainer's forward and backward passes, a divisor of num_prompts x "
+        "num_generations (TRL's per_device_train_batch_size, accumulated over one generation; default: all of them)",
+    )
+    p.add_argument(
+        "--gradient_checkpointing", action="store_true", help="the trainer recomputes activations in its backward"
+    )
+    p.add_argument(
+        "--gpu_memory_gb",
+        type=float,
+        default=None,
+        help="a smaller card, simulated: PyTorch's allocator and a sleepable KV pool together get at most this "
+        "many GB (torch.cuda.set_per_process_memory_fraction)",
+    )
     p.add_argument("--seed", type=int, default=0, help="TRL's seed (data order, adapter init), in [0, 2**32)")
     p.add_argument(
         "--compare_logprobs",
@@ -181,6 +198,19 @@ def check_args(args) -> None:
         raise FlexInferenceError(f"--out {args.out} is not a file in an existing folder: name one")
     check_kv_cache_budget(None, args.kv_cache_gb, args.kv_cache_memory_fraction)
     device, _ = resolve_device_and_dtype(args.device, args.dtype)
+    batch = args.num_prompts * args.num_generations
+    if args.micro_batch_size is not None and not (0 < args.micro_batch_size and batch % args.micro_batch_size == 0):
+        raise FlexInferenceError(
+            f"--micro_batch_size must divide num_prompts x num_generations ({batch}), got {args.micro_batch_size}"
+        )
+    if args.gpu_memory_gb is not None:
+        if device.type != "cuda":
+            raise FlexInferenceError("--gpu_memory_gb simulates a smaller CUDA card: it needs a CUDA device")
+        total_gb = torch.cuda.get_device_properties(device).total_memory / 1e9
+        if not 0 < args.gpu_memory_gb <= total_gb:
+            raise FlexInferenceError(
+                f"--gpu_memory_gb must be in (0, {total_gb:.4g}] on this card, got {args.gpu_memory_gb}"
+            )
     if args.backend == "hf":
         for flag in ENGINE_ONLY_FLAGS:
             if getattr(args, flag):
@@ -238,6 +268,14 @@ def python_prompts(stdlib: Path | None = None, max_header_chars: int = 300) -> l
     split = corpus_files(stdlib)
     chats = [chat for _, text in split["held_out"] for chat in function_chats(text, SIZES["ci"].max_function_chars)]
     return [[chat[0]] for chat in chats if len(chat[0]["content"]) <= max_header_chars]
+
+
+def limit_gpu_memory(device: torch.device, num_bytes: float) -> None:
+    """Caps PyTorch's allocator on `device` at `num_bytes` (a smaller card, simulated)."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    if num_bytes <= 0:
+        raise FlexInferenceError("--gpu_memory_gb leaves no memory beside the sleepable KV pool: raise it")
+    torch.cuda.set_per_process_memory_fraction(min(1.0, num_bytes / total), device)
 
 
 def load_model(model_name: str, is_gemma: bool, dtype: torch.dtype, device: torch.device, load_format: str):
@@ -382,6 +420,8 @@ def run(args) -> None:
         )
     model_name = args.model_name or str(ensure_trained_checkpoints() / "qwen3")
     device, dtype = resolve_device_and_dtype(args.device, args.dtype)
+    if args.gpu_memory_gb is not None:
+        limit_gpu_memory(device, args.gpu_memory_gb * 1e9)
     is_gemma = load_config(model_name, use_preset=args.load_format == "dummy").model_type.startswith("gemma4")
     tokenizer = load_tokenizer(args.tokenizer or model_name)
     model = load_model(model_name, is_gemma, dtype, device, args.load_format)
@@ -389,6 +429,7 @@ def run(args) -> None:
     lora = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
     policy = get_peft_model(model, lora)  # on its device before the engine takes views of its base
     rollout_func = None
+    kv_pool_outside_allocator_gb = 0.0  # counted in no allocator statistic: the report adds it
     if args.backend == "engine":
         if is_gemma:
             from gemma4_flex_inference import FlexGemma4Inference as engine_class
@@ -411,6 +452,10 @@ def run(args) -> None:
             enable_sleep_mode=args.enable_sleep_mode,
         )
         rollout_func = make_trl_rollout_func(engine, capture_cudagraph=args.capture_cudagraph)
+        if engine.runner.kv_memory.cuda_memories:  # a sleepable pool is mapped outside PyTorch's allocator
+            kv_pool_outside_allocator_gb = engine.runner.kv_pool_bytes / 1e9
+            if args.gpu_memory_gb is not None:
+                limit_gpu_memory(device, (args.gpu_memory_gb - kv_pool_outside_allocator_gb) * 1e9)
         if args.compare_logprobs:
             rollout_func = LogprobComparison(rollout_func)
     print(f"loaded {model_name} ({args.backend} rollouts, {dtype}, {device}) in {time.perf_counter() - start:.1f} s")
@@ -420,7 +465,10 @@ def run(args) -> None:
     config = GRPOConfig(
         output_dir=output_dir.name,
         max_steps=args.steps,
-        per_device_train_batch_size=args.num_prompts * args.num_generations,
+        per_device_train_batch_size=args.micro_batch_size or args.num_prompts * args.num_generations,
+        gradient_accumulation_steps=args.num_prompts * args.num_generations // (args.micro_batch_size or 1)
+        if args.micro_batch_size
+        else 1,  # one generation of num_prompts x num_generations completions per optimizer step
         num_generations=args.num_generations,
         max_completion_length=args.max_completion_length,
         temperature=args.temperature,
@@ -431,7 +479,7 @@ def run(args) -> None:
         report_to="none",
         use_cpu=device.type == "cpu",
         bf16=dtype == torch.bfloat16,
-        gradient_checkpointing=False,
+        gradient_checkpointing=args.gradient_checkpointing,
         disable_tqdm=True,
         seed=args.seed,
     )
@@ -443,6 +491,7 @@ def run(args) -> None:
             logs = logs or {}
             if device.type == "cuda":  # each step's own peak: reset after each log
                 logs["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+                logs["peak_reserved_gb"] = torch.cuda.max_memory_reserved(device) / 1e9
                 torch.cuda.reset_peak_memory_stats(device)
             label = "total" if "train_runtime" in logs else f"step {state.global_step}"
             metrics = " ".join(f"{key}={value:.4g}" for key, value in logs.items() if isinstance(value, float))
@@ -490,6 +539,8 @@ def run(args) -> None:
             device=str(device),
             logs=logged,
             loaded_memory_gb=loaded_gb,
+            kv_pool_gb=engine.runner.kv_pool_bytes / 1e9 if args.backend == "engine" else None,
+            kv_pool_outside_allocator_gb=kv_pool_outside_allocator_gb,
             skipped_steps=gradient_guard.skipped_steps,
         )
         if isinstance(rollout_func, LogprobComparison):
@@ -505,6 +556,10 @@ def main(argv=None) -> None:
         run(args)
     except FlexInferenceError as error:
         print(f"error: {cli_message(error, vars(args))}", file=sys.stderr)
+        raise SystemExit(1)
+    except torch.OutOfMemoryError as error:
+        limit = f" (--gpu_memory_gb {args.gpu_memory_gb:g})" if args.gpu_memory_gb else ""
+        print(f"error: out of GPU memory{limit}: {str(error).splitlines()[0]}", file=sys.stderr)
         raise SystemExit(1)
 
 
