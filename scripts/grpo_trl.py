@@ -46,6 +46,7 @@ if __name__ == "__main__" and importlib.util.find_spec("qwen3_flex_inference") i
 import torch
 
 from qwen3_flex_inference import (
+    SKINNY_CHOICES,
     FlexInference,
     FlexInferenceError,
     HelpFormatter,
@@ -406,6 +407,34 @@ class LogprobComparison:
         return output
 
 
+class TimedRollouts:
+    """The engine's rollout_func, timed: what a step spent in it, and what the engine did for the first
+    time in it (each a running count, so a slow step shows its cause): Triton-vs-cuBLAS races of a new
+    GEMM shape, frames torch.compile compiled, CUDA graphs captured."""
+
+    def __init__(self, rollout_func, engine):
+        self.rollout_func = rollout_func
+        self.engine = engine
+        self.seconds = 0.0
+
+    def __call__(self, prompts: list, trainer) -> dict:
+        start = time.perf_counter()
+        output = self.rollout_func(prompts, trainer)
+        self.seconds += time.perf_counter() - start
+        return output
+
+    def counts(self) -> dict:
+        """This step's rollout seconds (reset here) and the running counts."""
+        counts = dict(
+            rollout_s=self.seconds,
+            skinny_races=float(len(SKINNY_CHOICES)),
+            compiled_frames=float(torch._dynamo.utils.counters["stats"]["unique_graphs"]),
+            cuda_graphs=float(len(self.engine.runner.cuda_graphs)),
+        )
+        self.seconds = 0.0
+        return counts
+
+
 def run(args) -> None:
     from datasets import Dataset
     from peft import LoraConfig, get_peft_model
@@ -458,6 +487,7 @@ def run(args) -> None:
                 limit_gpu_memory(device, (args.gpu_memory_gb - kv_pool_outside_allocator_gb) * 1e9)
         if args.compare_logprobs:
             rollout_func = LogprobComparison(rollout_func)
+        rollout_func = TimedRollouts(rollout_func, engine)
     print(f"loaded {model_name} ({args.backend} rollouts, {dtype}, {device}) in {time.perf_counter() - start:.1f} s")
     loaded_gb = torch.cuda.memory_allocated(device) / 1e9 if device.type == "cuda" else None  # weights, KV pool
 
@@ -493,6 +523,8 @@ def run(args) -> None:
                 logs["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
                 logs["peak_reserved_gb"] = torch.cuda.max_memory_reserved(device) / 1e9
                 torch.cuda.reset_peak_memory_stats(device)
+            if isinstance(rollout_func, TimedRollouts):
+                logs.update(rollout_func.counts())
             label = "total" if "train_runtime" in logs else f"step {state.global_step}"
             metrics = " ".join(f"{key}={value:.4g}" for key, value in logs.items() if isinstance(value, float))
             print(f"{label}: {metrics}", flush=True)
@@ -543,8 +575,8 @@ def run(args) -> None:
             kv_pool_outside_allocator_gb=kv_pool_outside_allocator_gb,
             skipped_steps=gradient_guard.skipped_steps,
         )
-        if isinstance(rollout_func, LogprobComparison):
-            report["sampling_logp_difference"] = rollout_func.records
+        if isinstance(rollout_func.rollout_func, LogprobComparison):
+            report["sampling_logp_difference"] = rollout_func.rollout_func.records
         Path(args.out).write_text(json.dumps(report, indent=1, default=str))  # --stdlib is a Path
 
 
