@@ -39,6 +39,7 @@ import dataclasses
 import functools
 import hashlib
 import importlib.util
+import inspect
 import itertools
 import json
 import logging
@@ -2998,6 +2999,54 @@ SKINNY_TUNE_CALLS_PER_RUN = 24
 SKINNY_TUNE_QUEUE_AHEAD_CYCLES_PER_CALL = 200_000
 
 
+# The races' picks kept on disk for later processes (start-up races no shape a process before it
+# raced): a folder named by this environment variable, by default ~/.cache/flex_inference; empty: none.
+SKINNY_CACHE_DIR_ENV = "FLEX_INFERENCE_CACHE_DIR"
+SKINNY_SAVED: dict = {}  # the cache file's path -> its picks ("N,K,dtype,bucket" -> choice), read once a process
+
+
+def skinny_cache_path(device: torch.device) -> Path | None:
+    """The file of saved picks for this GPU model, software and tuning: its name hashes all that can
+    change a pick (the kernel's source, its configs, the race's constants, TF32, PDL); None: no cache."""
+    root = os.environ.get(SKINNY_CACHE_DIR_ENV, str(Path.home() / ".cache" / "flex_inference"))
+    if not root:
+        return None
+    tuning = (
+        torch.cuda.get_device_properties(device).name,
+        torch.__version__,
+        triton.__version__,
+        inspect.getsource(_skinny_matmul_kernel.fn),
+        SKINNY_CONFIGS,
+        SKINNY_PREFETCH_BYTES,
+        SKINNY_TUNE_WARMUP_CALLS,
+        SKINNY_TUNE_RUNS,
+        SKINNY_TUNE_CALLS_PER_RUN,
+        SKINNY_TUNE_QUEUE_AHEAD_CYCLES_PER_CALL,
+        torch.backends.cuda.matmul.allow_tf32,
+        is_programmatic_launch_on(device),
+    )
+    return Path(root) / f"skinny_choices_{hashlib.sha256(repr(tuning).encode()).hexdigest()[:16]}.json"
+
+
+def skinny_choice(key: tuple, x2d_MK: torch.Tensor, w_NK: torch.Tensor) -> dict:
+    """The pick for `key`: one an earlier process saved (marked "saved"), else a race's, saved for
+    later processes (written whole to a new file, then renamed over the old: readers never see half)."""
+    path = skinny_cache_path(x2d_MK.device)
+    if path is None:
+        return race_skinny_backends(x2d_MK, w_NK)
+    if path not in SKINNY_SAVED:
+        SKINNY_SAVED[path] = json.loads(path.read_text()) if path.exists() else {}
+    saved, name = SKINNY_SAVED[path], ",".join(map(str, key))
+    if name in saved:
+        return {**saved[name], "saved": True}
+    saved[name] = race_skinny_backends(x2d_MK, w_NK)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as file:
+        json.dump(saved, file)
+    os.replace(file.name, path)
+    return saved[name]
+
+
 def skinny_rows_bucket(num_rows: int) -> int:
     """The power of two >= num_rows: decode batches that share one entry of SKINNY_CHOICES."""
     return 1 << (num_rows - 1).bit_length()
@@ -3078,11 +3127,13 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
     Plain F.linear on CPU, without triton, above SKINNY_MAX_ROWS rows, or for dtypes/layouts the
     kernel does not take. The first call of a new key outside CUDA-graph capture races the backends
-    (race_skinny_backends) and stores the outcome in SKINNY_CHOICES; a new key met during capture
+    (race_skinny_backends), unless an earlier process saved its pick (skinny_choice), and stores the
+    outcome in SKINNY_CHOICES; a new key met during capture
     gets F.linear (never time inside a capture), so warm every decode bucket up eagerly first.
     Deterministic: once chosen, a key always runs the same kernel, which sums split-K partials in a
-    fixed order. NOTE: another process may pick another backend where two are within timing noise, so results
-    are bitwise reproducible within a process, and equal only to rounding across processes.
+    fixed order. NOTE: a process that races a key again (no saved pick: another cache folder, GPU or
+    software) may pick another backend where two are within timing noise, so results are bitwise
+    reproducible among processes sharing saved picks, and equal only to rounding across others.
     An opaque op, so it sits in a torch.compile(fullgraph=True) graph with a symbolic batch.
     NOTE: the race compares GPU time only, which is what a CUDA graph replays; called eagerly, a
     Triton launch from Python costs tens of us of CPU time, more than it saves at these sizes.
@@ -3100,7 +3151,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if torch.cuda.is_current_stream_capturing():
             return nn.functional.linear(x, weight)
         with torch.cuda.device(x.device):  # the race's sleep, events and syncs act on the current device
-            choice = SKINNY_CHOICES[key] = race_skinny_backends(x2d_MK, weight)
+            choice = SKINNY_CHOICES[key] = skinny_choice(key, x2d_MK, weight)
     if choice["winner"] == "cublas":
         return nn.functional.linear(x, weight)
     return skinny_matmul_triton(x2d_MK, weight, SKINNY_CONFIGS[choice["winner"]]).reshape(*x.shape[:-1], N)

@@ -410,7 +410,7 @@ class LogprobComparison:
 class TimedRollouts:
     """The engine's rollout_func, timed: what a step spent in it, and what the engine did for the first
     time in it (each a running count, so a slow step shows its cause): Triton-vs-cuBLAS races of a new
-    GEMM shape, frames torch.compile compiled, CUDA graphs captured."""
+    GEMM shape (not saved by an earlier process), frames torch.compile compiled, CUDA graphs captured."""
 
     def __init__(self, rollout_func, engine):
         self.rollout_func = rollout_func
@@ -427,7 +427,7 @@ class TimedRollouts:
         """This step's rollout seconds (reset here) and the running counts."""
         counts = dict(
             rollout_s=self.seconds,
-            skinny_races=float(len(SKINNY_CHOICES)),
+            skinny_races=float(sum(not choice.get("saved") for choice in SKINNY_CHOICES.values())),
             compiled_frames=float(torch._dynamo.utils.counters["stats"]["unique_graphs"]),
             cuda_graphs=float(len(self.engine.runner.cuda_graphs)),
         )

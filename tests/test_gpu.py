@@ -235,6 +235,31 @@ def test_skinny_gemv_configs_match_fp64_and_skinny_linear_is_deterministic_under
             assert torch.equal(static_M1N, got_M1N), f"{N=} {K=} {M=} {choice=}"
 
 
+def test_skinny_pick_saved_by_one_process_is_read_by_the_next_without_a_race(tmp_path, monkeypatch):
+    """A race's pick goes to the cache folder; a process starting afresh (its picks and the file's
+    contents forgotten) reads it back with no race, and computes the same bits."""
+    import qwen3_flex_inference as engine
+
+    monkeypatch.setenv(engine.SKINNY_CACHE_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(engine, "SKINNY_SAVED", {})
+    monkeypatch.setattr(engine, "SKINNY_CHOICES", {})
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    w_NK = torch.randn(2560, 1536, device="cuda", generator=generator, dtype=torch.bfloat16)
+    x_M1K = torch.randn(5, 1, 1536, device="cuda", generator=generator, dtype=torch.bfloat16)
+    raced = engine.skinny_linear(x_M1K, w_NK)
+    (key, choice), *_ = engine.SKINNY_CHOICES.items()
+    assert "saved" not in choice and len(list(tmp_path.glob("skinny_choices_*.json"))) == 1
+
+    def no_race(*args):
+        raise AssertionError("raced a key that an earlier process saved")
+
+    monkeypatch.setattr(engine, "race_skinny_backends", no_race)
+    monkeypatch.setattr(engine, "SKINNY_SAVED", {})
+    monkeypatch.setattr(engine, "SKINNY_CHOICES", {})
+    assert torch.equal(engine.skinny_linear(x_M1K, w_NK), raced)
+    assert engine.SKINNY_CHOICES[key] == {**json.loads(json.dumps(choice)), "saved": True}
+
+
 @pytest.mark.parametrize("decode_attention", ["triton", "flex"])
 @pytest.mark.parametrize("page_size", [16, 128])
 def test_float32_gemma4_at_head_dims_256_and_512_fits_its_kernel_options_and_matches_hf(page_size, decode_attention):

@@ -4,6 +4,8 @@ skinny_linear op's CPU fallback, eager and inside a torch.compile(fullgraph=True
 symbolic batch. The race against cuBLAS and the speed are GPU matters: scripts/benchmarks/bench_gemv.py.
 """
 
+import json
+
 import pytest
 import torch
 import torch._inductor.config as inductor_config
@@ -72,3 +74,61 @@ def test_programmatic_launch_is_on_only_inside_its_settings_and_yields_to_the_en
     monkeypatch.setenv("TORCHINDUCTOR_ENABLE_PDL", "0")
     with programmatic_launch_settings():
         assert not inductor_config.triton.enable_pdl
+
+
+def test_a_race_is_saved_once_and_a_later_process_reads_its_pick_without_racing(tmp_path, monkeypatch):
+    """skinny_choice: the first call of a key races and writes the pick to the cache file; a later
+    process (the file read afresh) gets the saved pick, marked "saved", and races nothing; another
+    key races again and keeps the first. No cache folder: every call races."""
+    import qwen3_flex_inference as engine
+
+    races = []
+
+    def race(x2d_MK, w_NK):
+        races.append(tuple(w_NK.shape))
+        return {"winner": len(races) - 1, "us": {"cublas": 9.0, len(races) - 1: 4.5}, "failed": {}}
+
+    path = tmp_path / "skinny_choices_test.json"
+    monkeypatch.setattr(engine, "race_skinny_backends", race)
+    monkeypatch.setattr(engine, "skinny_cache_path", lambda device: path)
+    monkeypatch.setattr(engine, "SKINNY_SAVED", {})
+    x, w = torch.zeros(2, 8), torch.zeros(16, 8)
+    first = engine.skinny_choice((16, 8, "float32", 2), x, w)
+    assert first["winner"] == 0 and "saved" not in first and races == [(16, 8)]
+    monkeypatch.setattr(engine, "SKINNY_SAVED", {})  # a later process
+    again = engine.skinny_choice((16, 8, "float32", 2), x, w)
+    assert again == {**first, "us": {"cublas": 9.0, "0": 4.5}, "saved": True} and races == [(16, 8)]
+    other = engine.skinny_choice((16, 8, "float32", 4), x, w)
+    assert other["winner"] == 1 and races == [(16, 8), (16, 8)]
+    assert set(json.loads(path.read_text())) == {"16,8,float32,2", "16,8,float32,4"}
+    assert [p.name for p in tmp_path.iterdir()] == [path.name], "a temporary file was left"
+    monkeypatch.setattr(engine, "skinny_cache_path", lambda device: None)
+    engine.skinny_choice((16, 8, "float32", 2), x, w)
+    assert len(races) == 3, "without a cache folder every call races"
+
+
+def test_the_cache_folder_comes_from_the_environment_and_empty_turns_it_off(monkeypatch, tmp_path):
+    """The cache file's folder is $FLEX_INFERENCE_CACHE_DIR (empty: no cache), its name a hash of
+    what can change a pick (here TF32; the GPU and software are stand-ins on the CPU)."""
+    import qwen3_flex_inference as engine
+
+    def kernel():
+        pass
+
+    monkeypatch.setattr(engine.torch.cuda, "get_device_properties", lambda device: type("P", (), {"name": "gpu"}))
+    monkeypatch.setattr(engine, "triton", type("T", (), {"__version__": "0"}))
+    monkeypatch.setattr(engine, "_skinny_matmul_kernel", type("K", (), {"fn": kernel}), raising=False)
+    monkeypatch.setattr(engine, "is_programmatic_launch_on", lambda device: False)
+    monkeypatch.setenv(engine.SKINNY_CACHE_DIR_ENV, str(tmp_path))
+    path = engine.skinny_cache_path(torch.device("cuda"))
+    assert path.parent == tmp_path and path.name.startswith("skinny_choices_")
+    matmul = torch.backends.cuda.matmul
+    allow_tf32 = matmul.allow_tf32
+    matmul.allow_tf32 = not allow_tf32
+    try:
+        assert engine.skinny_cache_path(torch.device("cuda")) != path, "TF32 can change a pick: another file"
+    finally:
+        matmul.allow_tf32 = allow_tf32
+    assert engine.skinny_cache_path(torch.device("cuda")) == path
+    monkeypatch.setenv(engine.SKINNY_CACHE_DIR_ENV, "")
+    assert engine.skinny_cache_path(torch.device("cuda")) is None
