@@ -200,14 +200,14 @@ run() {  # run NAME CMD...: logs the command, its status and its time
         grpo="$grpo --gradient_checkpointing --gpu_memory_gb $card_gb"
         e2b="--model_name unsloth/gemma-4-E2B-it --load_format dummy --tokenizer $tiny/gemma4 --lora_r 16"
         for kind in ${CARD_RUNS:-zero_copy hf copy}; do
-          case $kind in
-            zero_copy) options="--capture_cudagraph --compile_decode --engine_weights shared --enable_sleep_mode --kv_cache_gb 1.5" ;;
-            copy) options="$fastest --kv_cache_gb 1.5" ;;
-            hf) options="--backend hf" ;;
+          case $kind in  # where each search starts (prompts of 8 completions): where it is expected to end
+            zero_copy) start=64 options="--capture_cudagraph --compile_decode --engine_weights shared --enable_sleep_mode --kv_cache_gb 1.5" ;;
+            copy) start=1 options="$fastest --kv_cache_gb 1.5" ;;
+            hf) start=64 options="--backend hf" ;;
           esac
-          # num_prompts doubles from $CARD_START (8 prompts: 64 completions) while it fits, halves while it does not
-          fits=0 fails=128 num_prompts=${CARD_START:-8}
-          while [ "$num_prompts" -ge 1 ] && [ "$num_prompts" -lt "$fails" ] && [ "$num_prompts" -gt "$fits" ]; do
+          # num_prompts doubles while it fits and halves while it does not, within 1..64 (8 to 512 completions)
+          fits=0 fails=128 num_prompts=$start
+          while [ "$num_prompts" -ge 1 ] && [ "$num_prompts" -le 64 ] && [ "$num_prompts" -lt "$fails" ] && [ "$num_prompts" -gt "$fits" ]; do
             name=${kind}_$((num_prompts * 8))
             run card_$name $PY -m scripts.grpo_trl $e2b $grpo $options --num_prompts "$num_prompts" --out "out/card/$name.json" \
               2> "out/card/$name.err"
@@ -220,11 +220,7 @@ run() {  # run NAME CMD...: logs the command, its status and its time
             else
               echo "== card $kind: $name failed, not for memory: the search stops"; break
             fi
-            [ "$num_prompts" -gt 64 ] && break
-          done
-          echo "== card ${card_gb} GB, $kind: the largest GRPO batch that fits is $((fits * 8)) completions (8 a prompt)"
-        done
-        $PY - "$OUT/card_${card_gb}gb.json" <<'PYEOF'
+            $PY - "$OUT/card_${card_gb}gb.json" <<'PYEOF'
 import json, pathlib, sys
 runs = {}
 for path in sorted(pathlib.Path("out/card").glob("*.err")):
@@ -233,7 +229,9 @@ for path in sorted(pathlib.Path("out/card").glob("*.err")):
     runs[path.stem] = json.loads(report.read_text()) if report.exists() else {"error": errors[-1] if errors else None}
 pathlib.Path(sys.argv[1]).write_text(json.dumps(runs, indent=1))
 PYEOF
-        ;;
+          done
+          echo "== card ${card_gb} GB, $kind: the largest GRPO batch that fits is $((fits * 8)) completions (8 a prompt; 512 is the most tried)"
+        done ;;
       fourbit)
         run gpu_tests_4bit $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py -k 4bit
         system=engine_compiled_graph
