@@ -3082,7 +3082,7 @@ def _gpu_us_per_call(call, num_weights: int) -> float:
 
 def race_skinny_backends(x2d_MK: torch.Tensor, w_NK: torch.Tensor) -> dict:
     """Times F.linear and every config of SKINNY_CONFIGS on this input's shape; returns an entry of
-    SKINNY_CHOICES.
+    SKINNY_CHOICES (with the race's own seconds, "race_s").
 
     A config is first checked against F.linear on a fresh random x (seeded, its own generator, so
     the caller's RNG stream is untouched; the caller's x may be all zeros in a warm-up) with the
@@ -3097,6 +3097,7 @@ def race_skinny_backends(x2d_MK: torch.Tensor, w_NK: torch.Tensor) -> dict:
     the GPU with and without skinny_linear (scripts/benchmarks/bench_rollouts.py);
     scripts/benchmarks/bench_gemv.py times each shape the same way inside a CUDA graph.
     """
+    start = time.perf_counter()
     generator = torch.Generator(device=x2d_MK.device).manual_seed(0)
     x_check_MK = torch.randn(x2d_MK.shape, generator=generator, device=x2d_MK.device).to(x2d_MK.dtype)
     ref_MN = nn.functional.linear(x_check_MK, w_NK).float()
@@ -3117,7 +3118,7 @@ def race_skinny_backends(x2d_MK: torch.Tensor, w_NK: torch.Tensor) -> dict:
             continue
         candidates[idx] = lambda i, config=config: skinny_matmul_triton(x_check_MK, weights[i], config)
     us = {name: _gpu_us_per_call(fn, num_weights) for name, fn in candidates.items()}
-    return {"winner": min(us, key=us.get), "us": us, "failed": failed}
+    return {"winner": min(us, key=us.get), "us": us, "failed": failed, "race_s": time.perf_counter() - start}
 
 
 @torch.library.custom_op("flex_inference::skinny_linear", mutates_args=())

@@ -183,10 +183,12 @@ def run_engine(model, prompts, new_tokens, use_graph, sampling=None, **options):
     def sequences():
         return [Sequence(input_ids=p, max_new_tokens=new_tokens, sampling=sampling) for p in prompts]
 
+    raced_before = {key for key, choice in SKINNY_CHOICES.items() if "race_s" in choice and not choice.get("saved")}
     start = time.perf_counter()
     engine.generate(sequences(), capture_cudagraph=use_graph)
     sync(device)
     warmup_s = time.perf_counter() - start
+    races_s = [c["race_s"] for k, c in SKINNY_CHOICES.items() if k not in raced_before and not c.get("saved")]
     sync(device)
     start = time.perf_counter()
     generated = engine.generate(sequences(), capture_cudagraph=use_graph)
@@ -214,6 +216,8 @@ def run_engine(model, prompts, new_tokens, use_graph, sampling=None, **options):
         "tokens": sum(len(s.output_ids) for s in generated),
         "capture_s": timings.get("capture_s", float("nan")),
         "capture_s_per_graph": timings.get("capture_s_per_graph", {}),
+        "skinny_races": len(races_s),  # GEMM shapes raced in the warm-up (none saved by an earlier process)
+        "skinny_race_s": sum(races_s),
     }
     return result, engine
 
