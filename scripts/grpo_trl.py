@@ -148,7 +148,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="a smaller card, simulated: PyTorch's allocator and a sleepable KV pool together get at most this "
-        "many GB (torch.cuda.set_per_process_memory_fraction)",
+        "many GB (torch.cuda.set_per_process_memory_fraction; default: none, the whole card)",
     )
     p.add_argument("--seed", type=int, default=0, help="TRL's seed (data order, adapter init), in [0, 2**32)")
     p.add_argument(

@@ -53,6 +53,15 @@ BAD_ARGS = {
         ["--kv_cache_memory_fraction", "1.5"],
         "--kv_cache_memory_fraction is a share of the free memory, in (0, 1], got 1.5",
     ),
+    "micro batch off the batch": (
+        ["--num_prompts", "2", "--num_generations", "4", "--micro_batch_size", "3"],
+        "--micro_batch_size must divide num_prompts x num_generations (8), got 3",
+    ),
+    "no micro batch": (["--micro_batch_size", "0"], "--micro_batch_size must divide num_prompts x num_generations"),
+    "a smaller card on the cpu": (
+        ["--device", "cpu", "--gpu_memory_gb", "24"],
+        "--gpu_memory_gb simulates a smaller CUDA card: it needs a CUDA device",
+    ),
     "cudagraph on the cpu": (["--device", "cpu", "--capture_cudagraph"], "--capture_cudagraph needs a CUDA device"),
     "sequence off the page size": (
         ["--device", "cpu", "--max_seq_length", "1000"],
