@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks in one call; everything lands under $OUT (default: ./out).
-#   scripts/gpu_check.sh [kernels] [tests] [bench] [e2b] [profile] [gemv] [gemv_sweep] [flex_decode] [attention] [attention_tiles] [rollouts...] [sampling] [grpo] [trl] [zero_copy] [fourbit] [multi_gpu] [trained] [learning...]
+#   scripts/gpu_check.sh [kernels] [tests] [bench] [e2b] [profile] [gemv] [gemv_sweep] [flex_decode] [attention] [attention_tiles] [rollouts...] [sampling] [grpo] [trl] [zero_copy] [startup] [card] [fourbit] [multi_gpu] [trained] [learning...]
 #   (no argument: kernels tests bench e2b profile; each phase must fit the 10-minute limit of one
 #   device call, so call it with one or two phases at a time)
 # kernels: which flex_attention kernel options work at head_dim 256/512 (prefill and decode)
@@ -37,6 +37,11 @@
 # trl:                 TRL's GRPOTrainer (LoRA, 8 prompts x 8 completions of 256 tokens, bf16), rollouts on the engine's
 #                      fastest mode: TRL's sampling log-prob difference for the engine and for HF generate (tiny Gemma-4
 #                      and E2B shape), then the E2B step time against TRL's own generation (~8 min)
+# startup:             start-up to the 256 bucket (the fastest mode, bench_rollouts' warm-up: compile, capture, GEMM races) on
+#                      empty caches, then again in a second process on the caches the first left
+# card:                the largest GRPO batch (E2B, LoRA r16, micro batch 8, gradient checkpointing) that fits a smaller card
+#                      ($CARD_GB, default 24; simulated with --gpu_memory_gb) with the engine in zero copy, TRL's own generation
+#                      and the engine on a copy; all runs in $OUT/card_${CARD_GB}gb.json ($CARD_RUNS picks)
 # zero_copy:           the zero-copy GPU tests, then TRL's E2B step (8 x 8 x 256, LoRA r$LORA_R, default 16) with the engine on
 #                      the trainer's own model (zero copy, compiled step + CUDA graphs, KV pool asleep between rollouts), on a copy of its own (the fastest
 #                      mode: fused projections, merged adapter) and TRL's own generation: step time and each step's peak memory (~8 min;
@@ -193,6 +198,14 @@ run() {  # run NAME CMD...: logs the command, its status and its time
           esac
           run trl_e2b_${kind}_r${LORA_R:-16} $PY -m scripts.grpo_trl $e2b $grpo $options --out "$OUT/trl_e2b_${kind}_r${LORA_R:-16}.json"
         done ;;
+      startup)  # start-up to the 256 bucket, fastest mode: a process on empty caches, then one on the caches it left
+        export TORCHINDUCTOR_CACHE_DIR=/tmp/startup_inductor FLEX_INFERENCE_CACHE_DIR=/tmp/startup_flex
+        rm -rf "$TORCHINDUCTOR_CACHE_DIR" "$FLEX_INFERENCE_CACHE_DIR"
+        for cache in cold warm; do
+          run startup_$cache $PY -m scripts.benchmarks.bench_rollouts --batch_sizes 256 --new_tokens 64 \
+            --systems engine_fused_compiled_graph --out "$OUT/startup_$cache.json"
+        done
+        unset TORCHINDUCTOR_CACHE_DIR FLEX_INFERENCE_CACHE_DIR ;;
       card)  # the largest GRPO batch on a smaller card, simulated (--gpu_memory_gb), each backend
         card_gb=${CARD_GB:-24}
         mkdir -p out/card

@@ -184,11 +184,15 @@ def run_engine(model, prompts, new_tokens, use_graph, sampling=None, **options):
         return [Sequence(input_ids=p, max_new_tokens=new_tokens, sampling=sampling) for p in prompts]
 
     raced_before = {key for key, choice in SKINNY_CHOICES.items() if "race_s" in choice and not choice.get("saved")}
+    compile_s_before = torch._dynamo.utils.calculate_time_spent()
     start = time.perf_counter()
     engine.generate(sequences(), capture_cudagraph=use_graph)
     sync(device)
     warmup_s = time.perf_counter() - start
     races_s = [c["race_s"] for k, c in SKINNY_CHOICES.items() if k not in raced_before and not c.get("saved")]
+    compile_s = {  # torch.compile's phases in the warm-up (dynamo's cumulative timers)
+        phase: s - compile_s_before.get(phase, 0.0) for phase, s in torch._dynamo.utils.calculate_time_spent().items()
+    }
     sync(device)
     start = time.perf_counter()
     generated = engine.generate(sequences(), capture_cudagraph=use_graph)
@@ -218,6 +222,7 @@ def run_engine(model, prompts, new_tokens, use_graph, sampling=None, **options):
         "capture_s_per_graph": timings.get("capture_s_per_graph", {}),
         "skinny_races": len(races_s),  # GEMM shapes raced in the warm-up (none saved by an earlier process)
         "skinny_race_s": sum(races_s),
+        "compile_s": compile_s,
     }
     return result, engine
 
