@@ -457,7 +457,7 @@ def run(args) -> None:
     model.set_attn_implementation("sdpa")  # the trainer's forward passes (and TRL's generate) on SDPA
     lora = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
     policy = get_peft_model(model, lora)  # on its device before the engine takes views of its base
-    rollout_func = None
+    rollout_func = comparison = None
     kv_pool_outside_allocator_gb = 0.0  # counted in no allocator statistic: the report adds it
     if args.backend == "engine":
         if is_gemma:
@@ -486,7 +486,7 @@ def run(args) -> None:
             if args.gpu_memory_gb is not None:
                 limit_gpu_memory(device, (args.gpu_memory_gb - kv_pool_outside_allocator_gb) * 1e9)
         if args.compare_logprobs:
-            rollout_func = LogprobComparison(rollout_func)
+            rollout_func = comparison = LogprobComparison(rollout_func)
         rollout_func = TimedRollouts(rollout_func, engine)
     print(f"loaded {model_name} ({args.backend} rollouts, {dtype}, {device}) in {time.perf_counter() - start:.1f} s")
     loaded_gb = torch.cuda.memory_allocated(device) / 1e9 if device.type == "cuda" else None  # weights, KV pool
@@ -575,8 +575,8 @@ def run(args) -> None:
             kv_pool_outside_allocator_gb=kv_pool_outside_allocator_gb,
             skipped_steps=gradient_guard.skipped_steps,
         )
-        if isinstance(rollout_func.rollout_func, LogprobComparison):
-            report["sampling_logp_difference"] = rollout_func.rollout_func.records
+        if comparison is not None:
+            report["sampling_logp_difference"] = comparison.records
         Path(args.out).write_text(json.dumps(report, indent=1, default=str))  # --stdlib is a Path
 
 
