@@ -346,7 +346,7 @@ class FlexInference:
             decode_attention=decode_attention,
             is_sleep_mode=enable_sleep_mode,
         )
-        self.timings: dict[str, float] = {}
+        self.timings: dict[str, float | dict] = {}
         self.seeds = random.Random(seed)  # the seeds of sequences that bring none
         self.peft_model = peft_model
         self.lora_targets: dict[str, torch.Tensor] = {}  # merged: the inference weights the adapter is merged into
@@ -551,7 +551,7 @@ class FlexInference:
         next_launch = self.runner.launch_decode(scheduler.running, use_graph, launch) if scheduler.can_chain() else None
         next_ids, logprobs = launch.read()
         num_taken = scheduler.postprocess(launch.rows, next_ids, logprobs, launch.logits_BV)
-        meter.decoded(num_taken, time.perf_counter() - start)
+        meter.decoded(num_taken, time.perf_counter() - start, len(launch.rows), launch.next_ids.shape[0])
         if next_launch is None:
             scheduler.retire()
         return next_launch
@@ -698,15 +698,24 @@ class StepMeter:
         )
         self.num_prefill_tokens = self.num_decode_tokens = 0
         self.prefill_s = self.decode_s = 0.0
+        self.decode_by_bucket: dict[int, dict] = {}  # bucket -> steps, seconds, rows (real, not padding)
 
     def prefilled(self, num_prompt_tokens: int, num_new_tokens: int, seconds: float) -> None:
         self.num_prefill_tokens += num_prompt_tokens
         self.prefill_s += seconds
         self.bar.update(num_new_tokens)
 
-    def decoded(self, num_new_tokens: int, seconds: float) -> None:
+    def decoded(self, num_new_tokens: int, seconds: float, num_rows: int = 0, bucket: int = 0) -> None:
+        """A decode step read (`num_rows` sequences padded to `bucket`), or a first step queued (0, 0)."""
         self.num_decode_tokens += num_new_tokens
         self.decode_s += seconds
+        if bucket:
+            band = self.decode_by_bucket.setdefault(bucket, dict(steps=0, seconds=0.0, rows=0))
+            band["steps"], band["seconds"], band["rows"] = (
+                band["steps"] + 1,
+                band["seconds"] + seconds,
+                band["rows"] + num_rows,
+            )
         self.bar.update(num_new_tokens)
         self.bar.set_postfix_str(
             f"prefill {self.num_prefill_tokens / max(self.prefill_s, 1e-9):.0f} tok/s, "
@@ -722,6 +731,7 @@ class StepMeter:
             decode_s=self.decode_s,
             num_prefill_tokens=self.num_prefill_tokens,
             num_decode_tokens=self.num_decode_tokens,
+            decode_by_bucket={bucket: self.decode_by_bucket[bucket] for bucket in sorted(self.decode_by_bucket)},
         )
 
 

@@ -44,6 +44,21 @@ def test_same_batch_twice_and_reversed_order_give_the_same_tokens(case):
     assert generate(engine, prompts[::-1]) == case["want"][::-1]
 
 
+def test_decode_time_by_bucket_adds_up_to_the_run(case):
+    """timings["decode_by_bucket"]: every decode step read is counted once, under the bucket its rows
+    were padded to; its rows are the tokens decode steps took, and its seconds the decode time
+    (less the first steps' queueing)."""
+    engine = case["engine"]
+    generate(engine, case["prompts"])
+    timings = engine.timings
+    bands = timings["decode_by_bucket"]
+    assert set(bands) <= set(engine.runner.buckets) and bands, f"{bands=}"
+    assert sum(band["rows"] for band in bands.values()) == timings["num_decode_tokens"]
+    assert all(0 < band["rows"] <= band["steps"] * bucket for bucket, band in bands.items()), f"{bands=}"
+    assert all(band["rows"] > band["steps"] * (bucket // 2) or bucket == min(bands) for bucket, band in bands.items())
+    assert sum(band["seconds"] for band in bands.values()) <= timings["decode_s"]
+
+
 def test_forced_preemption_still_matches_hf(case):
     # 17 usable pages of 16 tokens for up to 4 sequences of up to 114 tokens: the pool runs dry.
     engine = make_engine(case["path"], n_pages=18, max_seq_length=128)

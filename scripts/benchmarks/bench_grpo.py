@@ -89,6 +89,8 @@ def run_engine(model, prompts, lengths, args) -> dict:
             "most_kv_pages": most_used_pages,
             "page_size": engine.runner.page_size,
             "timings": {k: v for k, v in engine.timings.items() if isinstance(v, (int, float))},
+            # where decode time goes as completions finish: steps, seconds and real rows by batch bucket
+            "decode_by_bucket": engine.timings["decode_by_bucket"],
         }
         print(json.dumps({"engine": results["shared" if is_shared else "separate"]}), flush=True)
     return results
