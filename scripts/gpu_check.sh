@@ -45,7 +45,7 @@
 # zero_copy:           the zero-copy GPU tests, then TRL's E2B step (8 x 8 x 256, LoRA r$LORA_R, default 16) with the engine on
 #                      the trainer's own model (zero copy, compiled step + CUDA graphs, KV pool asleep between rollouts), on a copy of its own (the fastest
 #                      mode: fused projections, merged adapter) and TRL's own generation: step time and each step's peak memory (~8 min;
-#                      $ZERO_COPY_RUNS picks among zero_copy copy hf)
+#                      $ZERO_COPY_RUNS picks among zero_copy copy hf; $ZERO_COPY_ARGS adds grpo_trl flags to all)
 # fourbit:             the 4-bit GPU test (tiny Qwen3, Llama, Gemma-4: float32-compute NF4 + unmerged LoRA = HF + PEFT,
 #                      eager and compiled under CUDA graphs), then E2B in NF4 (bf16 compute), compiled step + CUDA graphs,
 #                      batch 1 and 64, without and with a rank-16 LoRA adapter, with kernel profiles; carry .whl/bnb (~7 min)
@@ -188,7 +188,7 @@ run() {  # run NAME CMD...: logs the command, its status and its time
         run trl_e2b_hf $PY -m scripts.grpo_trl $e2b $grpo --backend hf --steps 4 --out "$OUT/trl_e2b_hf.json" ;;
       zero_copy)
         [ -n "${ZERO_COPY_SKIP_TESTS:-}" ] || run gpu_tests_zero_copy $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py -k zero_copy
-        grpo="--device cuda --dtype bfloat16 --num_prompts 8 --num_generations 8 --max_completion_length 256 --steps ${ZERO_COPY_STEPS:-4}"
+        grpo="--device cuda --dtype bfloat16 --num_prompts 8 --num_generations 8 --max_completion_length 256 --steps ${ZERO_COPY_STEPS:-4} ${ZERO_COPY_ARGS:-}"
         e2b="--model_name unsloth/gemma-4-E2B-it --load_format dummy --tokenizer $tiny/gemma4 --lora_r ${LORA_R:-16}"
         for kind in ${ZERO_COPY_RUNS:-zero_copy copy hf}; do
           case $kind in
