@@ -501,8 +501,10 @@ class FlexInference:
         """The loop, nano-vllm's step in two kinds: a prefill step admits what fits and samples each
         new sequence's first token; a decode step samples one token for every running sequence.
 
-        While the running set stays the same, each decode step is queued before the previous
-        one's tokens are read, so the host's bookkeeping overlaps the GPU's work.
+        While the rows stay the same, each decode step is queued before the previous one's tokens
+        are read, so the host's bookkeeping overlaps the GPU's work. A chain ends (the GPU waits for
+        the host once) when a sequence could start, when the live rows fit a smaller bucket, or when
+        a row needs a page it could not take ahead.
         """
         self.scheduler.add(sequences)
         meter = StepMeter(sum(seq.max_new_tokens for seq in sequences), progress)
@@ -545,13 +547,18 @@ class FlexInference:
 
     def _decode_step(self, launch: DecodeLaunch, use_graph: bool, meter: StepMeter) -> DecodeLaunch | None:
         """Reads `launch`'s tokens into its sequences, having queued the next step first when the
-        same sequences go on (`Scheduler.can_chain`); returns that step, or None after retiring."""
+        same rows go on (`Scheduler.can_chain`: the finished ride along as padding rows while the
+        live ones still need this bucket); returns that step, or None after retiring."""
         scheduler = self.scheduler
         start = time.perf_counter()
-        next_launch = self.runner.launch_decode(scheduler.running, use_graph, launch) if scheduler.can_chain() else None
+        bucket = launch.next_ids.shape[0]
+        smaller_bucket = max((b for b in self.runner.buckets if b < bucket), default=0)
+        # the chain goes on while its rows need this bucket; then the finished leave and it shrinks
+        can_chain = scheduler.can_chain(min_live=smaller_bucket + 1)
+        next_launch = self.runner.launch_decode(scheduler.running, use_graph, launch) if can_chain else None
         next_ids, logprobs = launch.read()
         num_taken = scheduler.postprocess(launch.rows, next_ids, logprobs, launch.logits_BV)
-        meter.decoded(num_taken, time.perf_counter() - start, len(launch.rows), launch.next_ids.shape[0])
+        meter.decoded(num_taken, time.perf_counter() - start, num_taken, bucket)
         if next_launch is None:
             scheduler.retire()
         return next_launch
@@ -865,7 +872,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.holders: dict[int, Sequence] = {}  # batch slot -> the sequence holding it (and its pages)
         # holds_until[batch_idx]: the first query position at which that slot's pages no longer
-        # fit (a new page is needed, or a windowed page can be recycled)
+        # fit (a new page is needed; a windowed pool recycles what the window left behind then)
         self.holds_until = [0] * (max_batch_size + 1)
 
     @property
@@ -929,28 +936,27 @@ class Scheduler:
         window = self.sliding_windows[regime]
         return 0 if window is None else max(0, query_pos - window + 1)
 
-    def can_hold(self, seq: Sequence, query_pos: int | None = None) -> bool:
-        """Whether every pool has room for `seq`'s tokens, given the next query position
-        (default: the one after its last token, as after a prefill)."""
+    def can_hold(self, seq: Sequence, query_pos: int | None = None, ahead_pos: int = 0) -> bool:
+        """Whether every pool has room for `seq`'s tokens (and positions up to `ahead_pos`), given
+        the next query position (default: the one after its last token, as after a prefill)."""
         query_pos = seq.seq_len if query_pos is None else query_pos
         batch_idx = seq.batch_idx if seq.batch_idx >= 0 else None
         return all(
-            table.can_reserve(seq.seq_len, batch_idx, self.first_needed_pos(regime, query_pos))
+            table.can_reserve(max(seq.seq_len, ahead_pos + 1), batch_idx, self.first_needed_pos(regime, query_pos))
             for regime, table in self.page_tables.items()
         )
 
-    def hold(self, seq: Sequence, query_pos: int) -> None:
-        """Pages for `seq`'s tokens in every pool; windowed pools first recycle what the query at
-        `query_pos` no longer sees."""
+    def hold(self, seq: Sequence, query_pos: int, ahead_pos: int = 0) -> None:
+        """Pages for `seq`'s tokens, and for positions up to `ahead_pos` (room for decode steps to go
+        on chained), in every pool; windowed pools first recycle what the query at `query_pos` no
+        longer sees. Until a new page is needed a windowed pool keeps the pages the window leaves:
+        never read (a query's visible blocks start at its window), they go back at the next hold."""
         holds_until = self.max_seq_length
         for regime, table in self.page_tables.items():
             first_needed_pos = self.first_needed_pos(regime, query_pos)
             table.trim(seq.batch_idx, first_needed_pos)
-            table.reserve(seq.batch_idx, seq.seq_len, first_needed_pos)
+            table.reserve(seq.batch_idx, max(seq.seq_len, ahead_pos + 1), first_needed_pos)
             holds_until = min(holds_until, len(table.pages_of[seq.batch_idx]) * self.page_size)
-            window = self.sliding_windows[regime]
-            if window is not None:  # the next page to fall out of the window
-                holds_until = min(holds_until, (first_needed_pos // self.page_size + 1) * self.page_size + window - 1)
         self.holds_until[seq.batch_idx] = holds_until
 
     def pages_fit(self, seq: Sequence, query_pos: int) -> bool:
@@ -977,7 +983,9 @@ class Scheduler:
 
     def reserve_or_preempt(self) -> None:
         """Gives every running sequence room for its next token; when the pool runs dry, the newest
-        sequence is preempted (its pages freed) and recomputed from its tokens later."""
+        sequence is preempted (its pages freed) and recomputed from its tokens later. With nobody
+        waiting, a sequence near the end of its pages gets the next one ahead where it is free
+        (`reserve_ahead`)."""
         i = 0
         while i < len(self.running):
             seq = self.running[i]
@@ -994,6 +1002,18 @@ class Scheduler:
             self.release(victim)
             victim.num_preemptions += 1
             self.waiting.appendleft(victim)
+        if not self.waiting:
+            self.reserve_ahead()
+
+    def reserve_ahead(self) -> None:
+        """Pages a page_size of positions ahead for every running sequence whose pages end sooner,
+        where the pools have them free (never by preempting): decode steps then go on chained
+        (`can_chain`) across page boundaries, instead of waiting at each for the host. At most one
+        page more a sequence; not while anyone waits (the pages could start a sequence instead)."""
+        for seq in self.running:
+            ahead_pos = min(seq.seq_len - 1 + self.page_size, self.max_seq_length - 1)
+            if not self.pages_fit(seq, ahead_pos) and self.can_hold(seq, seq.seq_len - 1, ahead_pos):
+                self.hold(seq, seq.seq_len - 1, ahead_pos)
 
     def postprocess(self, sequences: list[Sequence], token_ids: list[int], logprobs, logits_NV=None) -> int:
         """Tokens out: each unfinished sequence takes its row's token (and its log-prob when it asks
@@ -1024,18 +1044,23 @@ class Scheduler:
             or seq.seq_len + num_more_tokens >= self.max_seq_length
         )
 
-    def can_chain(self) -> bool:
-        """Whether the next decode step can be queued before the current one's tokens are read:
-        the same sequences go on, as none has finished, none reaches its length limit with the
-        current step's token, every one's next position fits its pages, and no waiting sequence
-        could start instead."""
+    def can_chain(self, min_live: int = 1) -> bool:
+        """Whether the next decode step can be queued before the current one's tokens are read, for
+        the same rows: at least `min_live` of them unfinished (a finished one rides along as a
+        padding row until the chain ends; the caller says how many are worth the batch), every
+        unfinished one's next position fits its pages, and no waiting sequence could start
+        instead (on a free slot and pages, or on those the finished would give back)."""
+        num_live = 0
         for seq in self.running:
-            if seq.finished or self.is_at_length_limit(seq, 1):
-                return False
+            if seq.finished:
+                continue
             # the chained step writes the K/V of the token the current step samples, at position seq_len
             if not self.pages_fit(seq, seq.seq_len):
                 return False
-        return not (self.waiting and self.can_admit(self.waiting[0]))
+            num_live += 1
+        if num_live < min_live:
+            return False
+        return not (self.waiting and (num_live < len(self.running) or self.can_admit(self.waiting[0])))
 
     def abort(self) -> None:
         """Forgets every sequence, giving back all slots and pages (after an error or an interrupt, too)."""
@@ -1818,6 +1843,9 @@ class ModelRunner:
         else:
             self.static_step_inputs[0, :B].copy_(previous.next_ids[:B])
             self.static_step_inputs[1, :B] += 1
+            finished = [i for i, seq in enumerate(rows) if seq.finished]
+            if finished:  # they ride along as padding rows (token 0 at position 0 of slot 0: page 0)
+                self.static_step_inputs.index_fill_(1, torch.tensor(finished, device=self.device), 0)
         if use_graph:
             graph, next_ids, host_source, head_out = self.cuda_graphs[bucket, mode]
             graph.replay()

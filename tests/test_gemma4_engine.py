@@ -203,7 +203,8 @@ def test_prefill_shortcut_runs_kv_shared_layers_on_last_positions_only(case):
 
 
 def test_sliding_window_pages_are_recycled_and_tokens_still_match_hf(tiny_dir):
-    """Sliding layers hold at most window + one page per sequence; long generations stay exact."""
+    """Sliding layers hold at most pool_pages' window + two pages per sequence (the page written,
+    one taken ahead); the full pool every token and at most a page ahead; long generations stay exact."""
     path = tiny_dir / "gemma4_text"
     hf = load_hf(path)
     engine = make_engine(load_hf(path), max_batch_size=2, max_new_tokens=60)
@@ -213,15 +214,16 @@ def test_sliding_window_pages_are_recycled_and_tokens_still_match_hf(tiny_dir):
         engine.scheduler.page_tables["full_attention"],
     )
     assert window_table.n_pages < full_table.n_pages, f"{window_table.n_pages=} {full_table.n_pages=}"
-    max_window_pages = -(-window // page_size) + 1
+    max_window_pages = -(-window // page_size) + 2
     most_pages_seen = []
     launch_decode = engine.runner.launch_decode
 
     def checked_launch_decode(rows, use_graph, previous=None):
         for seq in rows:
             most_pages_seen.append(window_table.num_pages_of(seq.batch_idx))
-            # the full-attention pool still holds every token
-            assert full_table.num_pages_of(seq.batch_idx) == -(-seq.seq_len // page_size)
+            # the full-attention pool still holds every token (and at most a page ahead)
+            held = full_table.num_pages_of(seq.batch_idx)
+            assert -(-seq.seq_len // page_size) <= held <= -(-(seq.seq_len + page_size) // page_size), f"{held=}"
         return launch_decode(rows, use_graph, previous)
 
     engine.runner.launch_decode = checked_launch_decode

@@ -283,10 +283,12 @@ def test_reserve_or_preempt_preempts_the_sequence_itself_when_it_is_the_newest()
 
 
 def test_pages_fit_skips_the_reserve_inside_the_pages_and_reserves_across_a_page_boundary():
+    """While a sequence waits (no page is taken ahead), a page is reserved exactly at a boundary."""
     scheduler = make_scheduler(max_batch_size=1, n_pages=10)
     seq = make_seq(10)
     scheduler.add([seq])
     admit(scheduler)
+    scheduler.add([make_seq(1)])  # waits for the one slot
     slot, full = seq.batch_idx, scheduler.page_tables[FULL]
     assert scheduler.holds_until[slot] == PAGE_SIZE, f"{scheduler.holds_until[slot]=}"
     fits = [pos for pos in range(10, 40) if scheduler.pages_fit(seq, pos)]
@@ -294,7 +296,7 @@ def test_pages_fit_skips_the_reserve_inside_the_pages_and_reserves_across_a_page
 
     holds = []
     hold = scheduler.hold
-    scheduler.hold = lambda s, query_pos: (holds.append(query_pos), hold(s, query_pos))
+    scheduler.hold = lambda s, query_pos, ahead_pos=0: (holds.append(query_pos), hold(s, query_pos, ahead_pos))
     grow(seq)
     scheduler.run([seq])
     pages = list(full.pages_of[slot])
@@ -329,7 +331,11 @@ def test_first_needed_pos_is_the_first_key_hf_lets_a_query_see(regime, window):
         assert got == want, f"{regime} {query_pos=}: {got=} {want=}"
 
 
-def test_sliding_pool_holds_only_the_window_while_the_full_pool_holds_every_token():
+@pytest.mark.parametrize("someone_waits", [True, False], ids=["a_sequence_waits", "nobody_waits"])
+def test_sliding_pool_holds_only_the_window_while_the_full_pool_holds_every_token(someone_waits):
+    """The full pool holds every token (and, with nobody waiting, at most one page ahead); the
+    sliding pool the window's blocks and the ones the window left since the last new page (recycled
+    at the next; one, or two with a page ahead), within pool_pages' ceil(window / page) + 2 a sequence."""
     max_batch_size, max_seq_length = 2, 256
     scheduler = make_scheduler(max_batch_size, max_seq_length, n_pages=40, windows=FULL_AND_SLIDING)
     full, sliding = scheduler.page_tables[FULL], scheduler.page_tables[SLIDING]
@@ -337,11 +343,14 @@ def test_sliding_pool_holds_only_the_window_while_the_full_pool_holds_every_toke
     seqs = [make_seq(5), make_seq(40)]
     scheduler.add(seqs)
     assert admit(scheduler) == seqs
+    if someone_waits:
+        scheduler.add([make_seq(1)])  # no slot for it
     for seq in seqs:
         check_covers(scheduler, seq, seq.seq_len)
         grow(seq)
     scheduler.run(seqs)
-    bound = ceil_div(WINDOW, PAGE_SIZE) + 1
+    ahead = 0 if someone_waits else PAGE_SIZE - 1  # positions reserved past the next one, at most
+    bound = ceil_div(WINDOW, PAGE_SIZE) + 1 + (not someone_waits)
     most_held = 0
     while seqs[1].seq_len < 250:
         scheduler.reserve_or_preempt()
@@ -349,18 +358,24 @@ def test_sliding_pool_holds_only_the_window_while_the_full_pool_holds_every_toke
         assert scheduler.running == seqs, f"a sequence was preempted at {[s.seq_len for s in seqs]}"
         for seq in seqs:
             query_pos = seq.seq_len - 1
-            got_full, want_full = full.num_pages_of(seq.batch_idx), ceil_div(seq.seq_len, PAGE_SIZE)
-            assert got_full == want_full, f"{seq.seq_len=}: {got_full=} {want_full=}"
+            got_full = full.num_pages_of(seq.batch_idx)
+            least, most = ceil_div(seq.seq_len, PAGE_SIZE), ceil_div(seq.seq_len + ahead + 1, PAGE_SIZE)
+            assert least <= got_full <= most, f"{seq.seq_len=}: {got_full=} {least=} {most=}"
+            if not someone_waits:  # room for a page_size of chained steps
+                assert scheduler.pages_fit(seq, min(query_pos + PAGE_SIZE, max_seq_length - 1)), f"{seq.seq_len=}"
             held = sliding.num_pages_of(seq.batch_idx)
             assert held <= bound, f"{seq.seq_len=}: sliding holds {held} pages > {bound}"
             most_held = max(most_held, held)
-            # exactly the window's blocks: those wholly before its left edge are recycled
+            # the window's blocks, and at most one it left behind since the last new page
             first_block = scheduler.first_needed_pos(SLIDING, query_pos) // PAGE_SIZE
             got_blocks = stored_blocks(sliding, seq.batch_idx)
-            want_blocks = list(range(first_block, ceil_div(seq.seq_len, PAGE_SIZE)))
-            assert got_blocks == want_blocks, f"{seq.seq_len=}: {got_blocks=} {want_blocks=}"
+            assert got_blocks == list(range(got_blocks[0], got_blocks[-1] + 1)), f"{seq.seq_len=}: {got_blocks=}"
+            stale = 1 if someone_waits else 2
+            assert first_block - stale <= got_blocks[0] <= first_block, f"{seq.seq_len=}: {got_blocks=} {first_block=}"
+            assert got_blocks[-1] + 1 == full.num_pages_of(seq.batch_idx), f"{seq.seq_len=}: {got_blocks=}"
             grow(seq)
     assert most_held == bound, f"{most_held=} {bound=}"
+    assert bound <= ceil_div(WINDOW, PAGE_SIZE) + 2, "beyond what pool_pages gives a sequence"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -440,20 +455,39 @@ def fill_the_slots_then_wait(scheduler: Scheduler, seq: Sequence) -> None:
     scheduler.add([make_seq(1)])
 
 
+def cross_a_page_boundary_while_a_sequence_waits(scheduler: Scheduler, seq: Sequence) -> None:
+    fill_the_slots_then_wait(scheduler, seq)  # nobody waiting would have taken the next page ahead
+    grow_to(scheduler, seq, 2 * PAGE_SIZE)  # the end of the page it took ahead before anyone waited
+
+
+def finish_another_while_a_sequence_waits(scheduler: Scheduler, seq: Sequence) -> None:
+    finish_another_running(scheduler, seq)
+    scheduler.add([make_seq(5)])  # it could take the finished one's slot
+
+
+def cross_a_page_boundary_with_the_pool_full(scheduler: Scheduler, seq: Sequence) -> None:
+    add_running(scheduler, make_seq(20))  # takes the 2 pages seq's page ahead left free
+    grow_to(scheduler, seq, 2 * PAGE_SIZE)
+
+
 CHAIN_BREAKERS = {
     "finished": lambda sch, seq: setattr(seq, "finished", True),
-    "current_token_is_the_last_new_one": lambda sch, seq: setattr(seq, "max_new_tokens", len(seq.output_ids) + 1),
-    "current_token_reaches_max_seq_length": lambda sch, seq: grow_to(sch, seq, 63),
-    "next_position_crosses_a_page_boundary": lambda sch, seq: grow_to(sch, seq, 16),
+    "next_position_crosses_a_page_boundary_while_a_sequence_waits": cross_a_page_boundary_while_a_sequence_waits,
+    "next_position_crosses_a_page_boundary_with_the_pool_full": cross_a_page_boundary_with_the_pool_full,
     "a_waiting_sequence_could_start": lambda sch, seq: sch.add([make_seq(5)]),
-    "another_running_sequence_finished": finish_another_running,
+    "another_finished_while_a_sequence_waits": finish_another_while_a_sequence_waits,
 }
 
 CHAIN_KEEPERS = {
     "mid_page": lambda sch, seq: None,
     "two_new_tokens_left": lambda sch, seq: setattr(seq, "max_new_tokens", len(seq.output_ids) + 2),
+    # its last token: the chained step writes its K/V at seq_len (inside its pages) and its token is dropped
+    "current_token_is_the_last_new_one": lambda sch, seq: setattr(seq, "max_new_tokens", len(seq.output_ids) + 1),
+    "current_token_reaches_max_seq_length": lambda sch, seq: grow_to(sch, seq, 63),
     "one_below_max_seq_length": lambda sch, seq: grow_to(sch, seq, 62),
     "next_position_is_the_last_of_its_page": lambda sch, seq: grow_to(sch, seq, 15),
+    "next_position_crosses_a_page_boundary_a_page_taken_ahead": lambda sch, seq: grow_to(sch, seq, 16),
+    "another_running_sequence_finished_and_rides_along": finish_another_running,
     "waiting_sequence_lacks_pages": lambda sch, seq: sch.add([make_seq(60)]),
     "waiting_sequence_lacks_a_slot": fill_the_slots_then_wait,
 }
@@ -473,6 +507,13 @@ def test_can_chain_is_true_when_the_same_batch_goes_on(case):
     CHAIN_KEEPERS[case](scheduler, seq)
     assert scheduler.running[0] is seq and not seq.finished, f"{case}: {scheduler.running=}"
     assert scheduler.can_chain(), f"{case}: {seq.seq_len=} {seq.max_new_tokens=} {len(scheduler.waiting)=}"
+
+
+def test_can_chain_ends_when_fewer_rows_are_live_than_the_caller_needs():
+    """The finished ride along only while the live rows still need the batch's bucket."""
+    scheduler, seq = chain_setup(max_batch_size=3, n_pages=8)
+    finish_another_running(scheduler, seq)
+    assert scheduler.can_chain(min_live=1) and not scheduler.can_chain(min_live=2)
 
 
 def test_abort_gives_back_every_slot_and_page_including_admitted_but_not_run():
@@ -615,23 +656,36 @@ def test_postprocess_records_log_probs_and_logits_only_for_sequences_that_ask():
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_can_chain_agrees_with_the_length_rule_postprocess_applies(seed):
-    """A chained step is queued only when every running sequence takes its current token without
-    finishing by length: can_chain and postprocess read one rule."""
+def test_chained_steps_write_only_inside_each_sequences_pages_and_the_length_limit(seed):
+    """Decoding to the end with every chain can_chain allows (the finished riding along until the
+    chain ends): each live row's chained write (at its seq_len) lies inside its pages and below
+    max_seq_length; each sequence ends by the length rule postprocess applies; with nobody waiting,
+    a page taken ahead lets most steps chain."""
     rng = random.Random(seed)
-    scheduler = make_scheduler(max_batch_size=3, max_seq_length=64, n_pages=16)
-    seqs = [make_seq(rng.randint(1, 30), rng.randint(1, 20)) for _ in range(3)]
+    max_seq_length = 64
+    scheduler = make_scheduler(max_batch_size=3, max_seq_length=max_seq_length, n_pages=16)
+    seqs = [make_seq(rng.randint(1, 30), rng.randint(1, 30)) for _ in range(3)]
     scheduler.add(seqs)
     scheduler.run(admit(scheduler))
     assert not scheduler.waiting and len(scheduler.running) == 3
+    num_steps = num_chained = 0
     while scheduler.running:
         scheduler.reserve_or_preempt()
-        is_chained = scheduler.can_chain()
-        pages_fit = all(scheduler.pages_fit(seq, seq.seq_len) for seq in scheduler.running)
-        scheduler.postprocess(scheduler.running, [5] * len(scheduler.running), None)
-        finished_by_length = [seq.seq_len for seq in scheduler.running if seq.finish_reason == "length"]
-        assert is_chained == (pages_fit and not finished_by_length), f"{is_chained=} {pages_fit=} {finished_by_length=}"
+        while True:
+            is_chained = scheduler.can_chain()
+            for seq in scheduler.running:
+                if is_chained and not seq.finished:
+                    assert scheduler.pages_fit(seq, seq.seq_len) and seq.seq_len < max_seq_length, f"{seq.seq_len=}"
+            scheduler.postprocess(scheduler.running, [5] * len(scheduler.running), None)
+            num_steps += 1
+            if not is_chained:
+                break
+            num_chained += 1
         scheduler.retire()
+    for seq in seqs:
+        assert seq.finish_reason == "length" and scheduler.is_at_length_limit(seq), f"{seq.seq_len=}"
+        assert len(seq.output_ids) == min(seq.max_new_tokens, max_seq_length - (seq.seq_len - len(seq.output_ids)))
+    assert num_chained >= num_steps - 8, f"{num_chained=} of {num_steps=}"
 
 
 def test_batch_slots_never_hand_out_slot_zero():
