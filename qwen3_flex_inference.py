@@ -36,7 +36,6 @@ import argparse
 import contextlib
 import ctypes
 import dataclasses
-import functools
 import hashlib
 import importlib.util
 import inspect
@@ -1402,11 +1401,17 @@ class ModelPatches:
 
     def __init__(self):
         self.forwards: dict[nn.Module, Callable] = {}  # module -> its forward inside the engine's calls
+        self.attributes: dict[nn.Module, dict] = {}  # module -> what its forward reads from it, set with it
         self.depth = 0  # nested installs: only the outermost installs and removes
         self.own_forwards: dict[nn.Module, Callable | None] = {}  # what an install replaced (None: the class's)
 
-    def replace_forward(self, module: nn.Module, forward: Callable) -> None:
+    def replace_forward(self, module: nn.Module, forward: Callable, **attributes) -> None:
+        """`forward` is a function bound to `module` (`fn.__get__(module)`) that reads what differs
+        between modules (`attributes`) from the module: torch.compile then traces one graph for
+        all layers of a kind, where a closure or a functools.partial would be guarded by identity
+        and compiled once per module."""
         self.forwards[module] = forward
+        self.attributes[module] = attributes
 
     def forward_of(self, module: nn.Module) -> Callable:
         """The forward `module` runs inside the engine's calls: its replacement, or its own."""
@@ -1418,6 +1423,7 @@ class ModelPatches:
             self.own_forwards = {module: module.__dict__.get("forward") for module in self.forwards}
             for module, forward in self.forwards.items():
                 module.__dict__["forward"] = forward
+                module.__dict__.update(self.attributes[module])
         self.depth += 1
         try:
             yield
@@ -1425,6 +1431,8 @@ class ModelPatches:
             self.depth -= 1
             if self.depth == 0:
                 for module, forward in self.own_forwards.items():
+                    for name in self.attributes[module]:
+                        del module.__dict__[name]
                     if forward is None:
                         del module.__dict__["forward"]
                     else:
@@ -3656,17 +3664,26 @@ def attach_unmerged_lora(
         base_layer = getattr(module, "base_layer", None)
         base_forward = base_layer if base_layer is not None else patches.forward_of(module)
         patches.replace_forward(
-            module, functools.partial(unmerged_lora_forward, base_forward, lora_A_RI, lora_B_OR, layer.scaling[adapter])
+            module,
+            unmerged_lora_forward.__get__(module),
+            flex_lora_base_forward=base_forward,
+            flex_lora_A_RI=lora_A_RI,
+            flex_lora_B_OR=lora_B_OR,
+            flex_lora_scaling=layer.scaling[adapter],
         )
         lora_weights[name] = (lora_A_RI, lora_B_OR)
     return lora_weights
 
 
-def unmerged_lora_forward(base_forward, lora_A_RI: torch.Tensor, lora_B_OR: torch.Tensor, scaling: float, x):
+def unmerged_lora_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """A LoRA target's forward inside the engine: the base product plus the adapter's, unmerged; the
-    adapter's product in its weights' dtype and the sum back in the base's, as PEFT computes them."""
-    base_out = base_forward(x)
-    lora_out = nn.functional.linear(nn.functional.linear(x.to(lora_A_RI.dtype), lora_A_RI), lora_B_OR) * scaling
+    adapter's product in its weights' dtype and the sum back in the base's, as PEFT computes them.
+    Its base forward, A [rank, in], B [out, rank] and scaling are the module's `flex_lora_*`
+    attributes, set only while the engine's patches are installed."""
+    base_out = module.flex_lora_base_forward(x)
+    lora_A_RI, lora_B_OR = module.flex_lora_A_RI, module.flex_lora_B_OR
+    lora_out = nn.functional.linear(nn.functional.linear(x.to(lora_A_RI.dtype), lora_A_RI), lora_B_OR)
+    lora_out = lora_out * module.flex_lora_scaling
     return (base_out + lora_out).to(base_out.dtype)
 
 

@@ -170,12 +170,15 @@ def test_text_sequences_are_tokenized_when_a_tokenizer_is_given(case, tiny_dir):
 
 def test_compiled_decode_step_is_compiled_once_for_all_buckets_and_layers_and_matches_hf(tiny_dir):
     """Sequences of different lengths shrink the batch through buckets 8, 4 and 2; the layers
-    (all of one kind) share one compiled graph."""
+    (all of one kind) share one compiled graph, also with an unmerged adapter, whose A and B differ
+    from layer to layer."""
     from conftest import compiled_decode_regions
+    from peft import PeftModel
 
     path = tiny_dir / "qwen3"
-    hf = load_hf(path)
-    engine = make_engine(path, max_batch_size=8, compile_decode=True)
+    hf = PeftModel.from_pretrained(load_hf(path), path / "lora").eval()
+    engine = make_engine(path, max_batch_size=8, compile_decode=True, peft_model=hf, merge_lora=False)
+    assert engine.unmerged_lora, "no unmerged adapter: the test would not cover the adapter's patches"
     engine.end_ids = set()
     prompts = random_prompts([5, 40, 70, 12, 33, 9, 21], hf.config.vocab_size, seed=11)
     new_tokens = [3, 24, 7, 16, 2, 11, 20]
