@@ -2477,7 +2477,12 @@ def paged_decode_attention(
         # NOTE: flex's default SPLIT_KV is 2 x SMs / rows, and only the splits that a row's few
         # pages reach do work; 16 splits are faster at small batches (kernel-option sweep).
         options.setdefault("SPLIT_KV", 16)
-    return flex_attention_padded(q, k_cache, v_cache, block_mask, scale, options, shape_role="static").contiguous()
+    # NOTE: called from a compiled step, this op's first calls run below ADInplaceOrView (the
+    # dispatcher's key for views and in-place ops) and its later calls not; flex's compiled frame
+    # guards the dispatch keys of the cache and of the mask's tensors, so each way compiled a kernel
+    # of its own. Always below it (nothing here is autograd's): one compile per attention kind.
+    with torch._C._AutoDispatchBelowADInplaceOrView():
+        return flex_attention_padded(q, k_cache, v_cache, block_mask, scale, options, shape_role="static").contiguous()
 
 
 @paged_decode_attention.register_fake

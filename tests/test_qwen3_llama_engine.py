@@ -168,12 +168,27 @@ def test_text_sequences_are_tokenized_when_a_tokenizer_is_given(case, tiny_dir):
     assert seq.output_ids == hf_greedy(case["hf"], [ids], 5, engine.end_ids)[0]
 
 
-def test_compiled_decode_step_is_compiled_once_for_all_buckets_and_layers_and_matches_hf(tiny_dir):
+def test_compiled_decode_step_is_compiled_once_for_all_buckets_and_layers_and_matches_hf(tiny_dir, monkeypatch):
     """Sequences of different lengths shrink the batch through buckets 8, 4 and 2; the layers
     (all of one kind) share one compiled graph, also with an unmerged adapter, whose A and B differ
-    from layer to layer."""
+    from layer to layer. Every decode call reaches flex_attention in one dispatch state (its compiled
+    frame guards the inputs' dispatch keys: two states compiled each decode kernel twice)."""
     from conftest import compiled_decode_regions
     from peft import PeftModel
+
+    import qwen3_flex_inference
+
+    flex_attention_compiled = qwen3_flex_inference.flex_attention_compiled
+    decode_dispatch_states = set()
+
+    def recording_flex_attention(q, *args, **kwargs):
+        if q.shape[2] == 1:  # one query token a row: decode
+            decode_dispatch_states.add(
+                torch._C._dispatch_tls_is_dispatch_key_excluded(torch._C.DispatchKey.ADInplaceOrView)
+            )
+        return flex_attention_compiled(q, *args, **kwargs)
+
+    monkeypatch.setattr(qwen3_flex_inference, "flex_attention_compiled", recording_flex_attention)
 
     path = tiny_dir / "qwen3"
     hf = PeftModel.from_pretrained(load_hf(path), path / "lora").eval()
@@ -187,6 +202,7 @@ def test_compiled_decode_step_is_compiled_once_for_all_buckets_and_layers_and_ma
     assert engine.runner.buckets == [2, 4, 8]
     compiled = {region: n - compiled_before[region] for region, n in compiled_decode_regions().items()}
     assert compiled == {"prologue": 1, "layer": 1, "epilogue": 1}, f"compiled per bucket or per layer: {compiled}"
+    assert len(decode_dispatch_states) == 1, "decode reached flex_attention in two dispatch states"
     for seq, ids, n in zip(sequences, prompts, new_tokens):
         assert seq.output_ids == hf_greedy(hf, [ids], n, set())[0]
 
