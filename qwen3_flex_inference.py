@@ -1411,7 +1411,7 @@ class ModelPatches:
         all layers of a kind, where a closure or a functools.partial would be guarded by identity
         and compiled once per module."""
         self.forwards[module] = forward
-        self.attributes[module] = attributes
+        self.attributes[module] = {**self.attributes.get(module, {}), **attributes}  # a later patch may wrap this one
 
     def forward_of(self, module: nn.Module) -> Callable:
         """The forward `module` runs inside the engine's calls: its replacement, or its own."""

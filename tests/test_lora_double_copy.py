@@ -7,6 +7,7 @@ from peft import PeftModel
 
 from qwen3_flex_inference import (
     FlexInference,
+    ModelPatches,
     Sequence,
     lora_layers,
     refresh_lora_merge_from_pristine,
@@ -142,3 +143,31 @@ def test_fused_projections_keep_the_lora_refresh_in_place(setup):
     engine.refresh_lora()
     tokens = [s.output_ids for s in engine.generate([Sequence(input_ids=ids) for ids in setup["prompts"]])]
     assert tokens == hf_peft_merged_tokens(setup, changed)
+
+
+def test_a_patched_forwards_attributes_exist_only_while_installed_and_survive_a_wrapping_patch():
+    """The unmerged adapter's forward reads its weights from `flex_*` attributes of its module: they
+    are set with the forward, removed with it, and kept when a later patch wraps that forward."""
+    linear = torch.nn.Linear(4, 3, bias=False)
+    patches = ModelPatches()
+
+    def scaled(module, x):
+        return module.flex_test_base(x) * module.flex_test_scale
+
+    patches.replace_forward(
+        linear, scaled.__get__(linear), flex_test_base=patches.forward_of(linear), flex_test_scale=2.0
+    )
+    inner = patches.forward_of(linear)
+
+    def negated(module, x):
+        return -inner(x)
+
+    patches.replace_forward(linear, negated.__get__(linear))
+    x = torch.randn(2, 4)
+    want = torch.nn.functional.linear(x, linear.weight)
+    with patches.installed():
+        got = linear(x)
+    assert torch.equal(got, -2.0 * want), f"{got=} {want=}"
+    assert torch.equal(linear(x), want)
+    left = [key for key in linear.__dict__ if key == "forward" or key.startswith("flex_")]
+    assert not left, f"patch state left on the module: {left}"
