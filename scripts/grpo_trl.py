@@ -276,7 +276,9 @@ def limit_gpu_memory(device: torch.device, num_bytes: float) -> None:
     total = torch.cuda.get_device_properties(device).total_memory
     if num_bytes <= 0:
         raise FlexInferenceError("--gpu_memory_gb leaves no memory beside the sleepable KV pool: raise it")
-    torch.cuda.set_per_process_memory_fraction(min(1.0, num_bytes / total), device)
+    # NOTE: set_per_process_memory_fraction wants an ordinal; "cuda" alone has none.
+    ordinal = device.index if device.index is not None else torch.cuda.current_device()
+    torch.cuda.set_per_process_memory_fraction(min(1.0, num_bytes / total), ordinal)
 
 
 def load_model(model_name: str, is_gemma: bool, dtype: torch.dtype, device: torch.device, load_format: str):

@@ -205,3 +205,21 @@ def test_a_script_run_by_path_runs_or_says_how_to_run_it(script):
 
 def test_the_makefiles_script_run_by_path_is_checked():
     assert "scripts/make_tiny_checkpoints.py" in RUN_BY_PATH_IN_MAKEFILE, f"{RUN_BY_PATH_IN_MAKEFILE=}"
+
+
+def test_a_simulated_card_caps_the_device_by_its_ordinal_when_cuda_names_none(monkeypatch):
+    """`--device cuda` has no index; torch.cuda.set_per_process_memory_fraction refuses such a
+    device, so the cap goes to the current device's ordinal (CUDA mocked: the suite has no GPU)."""
+    calls = []
+    monkeypatch.setattr(grpo_trl.torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(
+        grpo_trl.torch.cuda, "get_device_properties", lambda device: argparse.Namespace(total_memory=80e9)
+    )
+    monkeypatch.setattr(
+        grpo_trl.torch.cuda,
+        "set_per_process_memory_fraction",
+        lambda fraction, device: calls.append((fraction, device)),
+    )
+    grpo_trl.limit_gpu_memory(grpo_trl.torch.device("cuda"), 24e9)
+    grpo_trl.limit_gpu_memory(grpo_trl.torch.device("cuda", 1), 40e9)
+    assert calls == [(0.3, 3), (0.5, 1)]
