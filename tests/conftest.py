@@ -13,6 +13,12 @@ from scripts.make_tiny_checkpoints import ensure_tiny_checkpoints
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# Each pytest-xdist worker takes its share of the cores, and so do the processes it starts: torch's
+# default (every core in every worker) oversubscribes the cores `make test` runs on.
+_THREADS = max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+torch.set_num_threads(_THREADS)
+os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
+
 # A CLI run that is over in seconds: one short round on the CPU, small limits, no progress output.
 QUICK_CLI_ARGS = [
     "--device", "cpu",

@@ -19,6 +19,7 @@ from gemma4_flex_inference import FlexGemma4Inference
 from qwen3_flex_inference import FlexInference, Sequence
 from scripts.make_tiny_checkpoints import ensure_tiny_checkpoints
 from tests.conftest import hf_argmax_rollout, load_hf, random_prompts
+from tests.skinny_kernel_check import interpret_without_overflow_checks
 
 MAX_NEW_TOKENS = 6  # past the window with the longer prompts; the interpreter runs every decode step slowly
 PROMPT_LENGTHS = [5, 40, 17, 33, 3]
@@ -27,6 +28,7 @@ PROMPT_LENGTHS = [5, 40, 17, 33, 3]
 def main() -> None:
     # Two splits a row (the combine kernel runs too) instead of the 16 a GPU's SM count would give
     # these rows: the interpreter runs every program in turn.
+    interpret_without_overflow_checks()
     qwen3_flex_inference.paged_decode_splits = lambda num_rows, num_kv_heads, device: 2
     kernel = qwen3_flex_inference.paged_decode_attention_triton
     num_calls = 0

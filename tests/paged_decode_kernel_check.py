@@ -14,7 +14,7 @@ import json
 import torch
 
 from qwen3_flex_inference import paged_decode_attention_triton
-from tests.skinny_kernel_check import interpret_bf16_as_the_gpu
+from tests.skinny_kernel_check import interpret_bf16_as_the_gpu, interpret_without_overflow_checks
 
 # (rows, query heads, KV heads, head_dim, page size, sliding window, dtype, splits)
 CASES = [
@@ -51,6 +51,7 @@ def reference(q_BHD, k_cache, v_cache, logical_to_physical, input_pos_B, page_si
 
 def main() -> None:
     interpret_bf16_as_the_gpu()
+    interpret_without_overflow_checks()
     generator = torch.Generator().manual_seed(0)
     results = []
     for B, H, H_kv, D, page_size, window, dtype, splits in CASES:
