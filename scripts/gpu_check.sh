@@ -41,7 +41,8 @@
 #                      empty caches, then again in a second process on the caches the first left
 # card:                the largest GRPO batch (E2B, LoRA r16, micro batch 8, gradient checkpointing) that fits a smaller card
 #                      ($CARD_GB, default 24; simulated with --gpu_memory_gb) with the engine in zero copy, TRL's own generation
-#                      and the engine on a copy; all runs in $OUT/card_${CARD_GB}gb.json ($CARD_RUNS picks)
+#                      and the engine on a copy; all runs in $OUT/card_${CARD_GB}gb.json ($CARD_RUNS picks); a run that
+#                      finished (or ran out of memory) in an earlier call on the same warm machine is not run again
 # zero_copy:           the zero-copy GPU tests, then TRL's E2B step (8 x 8 x 256, LoRA r$LORA_R, default 16) with the engine on
 #                      the trainer's own model (zero copy, compiled step + CUDA graphs, KV pool asleep between rollouts), on a copy of its own (the fastest
 #                      mode: fused projections, merged adapter) and TRL's own generation: step time and each step's peak memory (~8 min;
@@ -215,16 +216,20 @@ run() {  # run NAME CMD...: logs the command, its status and its time
         for kind in ${CARD_RUNS:-zero_copy hf copy}; do
           case $kind in  # where each search starts (prompts of 8 completions): where it is expected to end
             zero_copy) start=64 options="--capture_cudagraph --compile_decode --engine_weights shared --enable_sleep_mode --kv_cache_gb 1.5" ;;
-            copy) start=1 options="$fastest --kv_cache_gb 1.5" ;;
+            copy) start=8 options="$fastest --kv_cache_gb 1.5" ;;
             hf) start=64 options="--backend hf" ;;
           esac
           # num_prompts doubles while it fits and halves while it does not, within 1..64 (8 to 512 completions)
           fits=0 fails=128 num_prompts=$start
           while [ "$num_prompts" -ge 1 ] && [ "$num_prompts" -le 64 ] && [ "$num_prompts" -lt "$fails" ] && [ "$num_prompts" -gt "$fits" ]; do
             name=${kind}_$((num_prompts * 8))
-            run card_$name $PY -m scripts.grpo_trl $e2b $grpo $options --num_prompts "$num_prompts" --out "out/card/$name.json" \
-              2> "out/card/$name.err"
-            status=$?
+            if [ -f "out/card/$name.json" ] || grep -qs "out of GPU memory" "out/card/$name.err"; then
+              echo "== card $name: done by an earlier call on this machine"; [ -f "out/card/$name.json" ]; status=$?
+            else
+              run card_$name $PY -m scripts.grpo_trl $e2b $grpo $options --num_prompts "$num_prompts" --out "out/card/$name.json" \
+                2> "out/card/$name.err"
+              status=$?
+            fi
             tail -n 3 "out/card/$name.err"
             if [ $status -eq 0 ]; then
               fits=$num_prompts num_prompts=$((num_prompts * 2))
