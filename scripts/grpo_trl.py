@@ -524,6 +524,8 @@ def run(args) -> None:
             if device.type == "cuda":  # each step's own peak: reset after each log
                 logs["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
                 logs["peak_reserved_gb"] = torch.cuda.max_memory_reserved(device) / 1e9
+                # a running count: the allocator found no free block, emptied its cache and synchronized
+                logs["alloc_retries"] = float(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
                 torch.cuda.reset_peak_memory_stats(device)
             if isinstance(rollout_func, TimedRollouts):
                 logs.update(rollout_func.counts())
