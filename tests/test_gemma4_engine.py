@@ -243,7 +243,7 @@ def test_fused_projections_give_the_same_tokens_as_hf(case):
 
 
 def test_compiled_fused_decode_step_through_every_bucket_matches_hf(tiny_dir):
-    """The fastest decode mode (compiled step with a symbolic batch, fused projections): one
+    """The fastest decode mode (compiled step with a symbolic batch, fused projections): at most one
     compile per kind of layer (regime, KV-shared or not, MLP width) for all layers and buckets,
     the batch shrinking through buckets 8, 4 and 2, tokens equal to HF past the window."""
     from conftest import compiled_decode_regions
@@ -261,8 +261,13 @@ def test_compiled_fused_decode_step_through_every_bucket_matches_hf(tiny_dir):
     compiled_before = compiled_decode_regions()
     sequences = engine.generate([Sequence(input_ids=ids, max_new_tokens=n) for ids, n in zip(prompts, new_tokens)])
     compiled = {region: n - compiled_before[region] for region, n in compiled_decode_regions().items()}
+    # At most one compile per region kind. A region an earlier engine of this process compiled with the
+    # same guards is reused (the epilogue of the same checkpoint, say), so it may compile 0 times here.
     want = {"prologue": 1, "layer": len(layer_kinds), "epilogue": 1}
-    assert compiled == want, f"compiled per bucket or per layer: {compiled=} {want=} {layer_kinds=}"
+    variants = compiled_decode_regions()
+    assert all(compiled[region] <= want[region] <= variants[region] for region in want), (
+        f"compiled per bucket or per layer: {compiled=} {want=} {variants=} {layer_kinds=}"
+    )
     for seq, ids, n in zip(sequences, prompts, new_tokens):
         assert seq.output_ids == hf_argmax_rollout(hf, [ids], n, set())[0]
 
