@@ -1474,7 +1474,10 @@ class ModelRunner:
         self.sliding_windows = sliding_windows  # attention regime -> window (None: full causal)
         self.page_size = next(iter(page_tables.values())).page_size
         self.max_batch_size = max_batch_size  # the most sequences in one step, prefill or decode
-        self.max_packed_tokens = -(-max_prefill_tokens // 128) * 128  # the longest packed prefill row
+        # the longest packed prefill row; every row is at least 2 of the masks' 128-token blocks:
+        # torch.compile specializes a size of 1, so a 1-block row would compile prefill attention apart
+        self.min_packed_tokens = 256
+        self.max_packed_tokens = max(self.min_packed_tokens, -(-max_prefill_tokens // 128) * 128)
         self.device = next(causal_lm.parameters()).device
         self.dtype = self.decoder.embed_tokens.weight.dtype
         self.kv_memory = KVMemory(self.device, is_sleep_mode)
@@ -1636,8 +1639,8 @@ class ModelRunner:
         """Packs all `sequences` (already holding pages) into one prefill row.
 
         Returns input_ids [1, T], position_ids [1, T] and the PrefillStep; T is padded to a multiple
-        of 128 so lengths reuse compiled kernels. Padding is a document of its own and writes into
-        the reserved page 0.
+        of 128, and to at least `min_packed_tokens`, so that one compiled attention kernel serves
+        every length. Padding is a document of its own and writes into the reserved page 0.
         """
         regimes = list(self.page_tables)
         token_ids, position_ids, document_ids = [], [], []
@@ -1649,7 +1652,7 @@ class ModelRunner:
             document_ids += [doc_idx] * len(ids)
             for regime, table in self.page_tables.items():
                 physical_slots[regime] += table.physical_slots(seq.batch_idx, 0, len(ids))
-        num_tokens = len(token_ids) + -len(token_ids) % 128
+        num_tokens = max(self.min_packed_tokens, len(token_ids) + -len(token_ids) % 128)
         num_padding = num_tokens - len(token_ids)
         token_ids += [0] * num_padding
         position_ids += [0] * num_padding
@@ -2640,8 +2643,11 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
 # Kernels: compiled flex_attention, its options, the compile-shape policy
 # ---------------------------------------------------------------------------------------------
 
-# Compiled once for the whole process; prefill lengths become dynamic after the second one seen.
+# Compiled once for the whole process. Decode's (and scoring's gathered rows) with dynamo's automatic
+# dynamic shapes under the engine's static marks; prefill's with every size symbolic but those marked
+# static (mark_compile_shapes "packed"): the packed length, and the mask's sizes that follow it.
 flex_attention_compiled = torch.compile(flex_attention, fullgraph=True)
+flex_attention_compiled_packed = torch.compile(flex_attention, fullgraph=True, dynamic=True)
 
 
 def kernel_head_dim(head_dim: int, device: torch.device) -> int:
@@ -2670,8 +2676,9 @@ def flex_attention_padded(
     kernel_options: dict,
     shape_role: str,
 ) -> torch.Tensor:
-    """flex_attention_compiled with q, k and v zero-padded to `kernel_head_dim` (k and v may come
-    padded already: the CPU's KV cache), the output cut back to q's head dim.
+    """Compiled flex_attention (prefill's packed row: flex_attention_compiled_packed) with q, k and v
+    zero-padded to `kernel_head_dim` (k and v may come padded already: the CPU's KV cache), the
+    output cut back to q's head dim.
 
     q, k and v share one head dim (every model here). `scale` is the model's, from the true head
     dim: flex's default would take it from the padded one. The tensors the kernel sees are marked
@@ -2681,7 +2688,8 @@ def flex_attention_padded(
     padded = kernel_head_dim(head_dim, q.device)
     q, k, v = pad_head_dim(q, padded), pad_head_dim(k, padded), pad_head_dim(v, padded)
     mark_compile_shapes(shape_role, q, k, v)
-    out = flex_attention_compiled(
+    compiled = flex_attention_compiled_packed if shape_role == "packed" else flex_attention_compiled
+    out = compiled(
         q,
         k,
         v,
@@ -2723,7 +2731,10 @@ def mark_compile_shapes(role: str, *tensors: torch.Tensor | None, is_batch_symbo
       added after a compiled region first saw them would recompile it), and q and the mask
       tensors inside the decode attention op: flex's decode kernel is compiled per batch bucket
       (and the CPU kernel indexes out of bounds with a symbolic KV length).
-    - "packed": prefill's q, k, v: only the packed length (dim 2) may become dynamic.
+    - "packed": prefill's q, k, v: all but the packed length (dim 2) static; flex_attention_padded
+      compiles them with dynamic sizes from the first call. Left to automatic dynamic shapes, the
+      second length seen compiled every prefill kernel again (its int sizes in the block mask were
+      constants in the first compile; on an H100, E2B: 4 kernels, ~15 s, in a GRPO step).
     - "batch": inputs of the compiled decode regions (prologue, layer, epilogues, sample packing): with
       `is_batch_symbolic` (compile_decode) dim 0, the batch, is symbolic, so one compile serves
       every bucket; a weak mark, so a graph that needs a fixed size (a bucket of 1) specialises it.

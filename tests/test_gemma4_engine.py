@@ -190,7 +190,7 @@ def test_prefill_shortcut_runs_kv_shared_layers_on_last_positions_only(case):
         for hook in hooks:
             hook.remove()
     packed = sum(len(p) for p in prompts)
-    assert rows_seen[0] == [-(-packed // 128) * 128], f"{rows_seen[0]=}"
+    assert rows_seen[0] == [max(engine.runner.min_packed_tokens, -(-packed // 128) * 128)], f"{rows_seen[0]=}"
     assert rows_seen[first_shared - 1] == rows_seen[0]
     assert all(rows_seen[i] == [len(prompts)] for i in range(first_shared, config.num_hidden_layers)), f"{rows_seen=}"
     assert [s.output_ids for s in sequences] == [w[:1] for w in case["want"][:3]]
@@ -349,16 +349,19 @@ def odd_head_dims(tiny_dir):
     engine = make_engine(copy.deepcopy(hf), max_batch_size=2)
     engine.end_ids = set()
     kernel_calls = []
-    compiled = qwen3_flex_inference.flex_attention_compiled
 
-    def recording_flex_attention(q, k, v, **kwargs):
-        kernel_calls.append(("decode" if q.shape[2] == 1 else "prefill", q.shape[-1], k.shape[-1], v.shape[-1]))
-        return compiled(q, k, v, **kwargs)
+    def recording(compiled):
+        def recording_flex_attention(q, k, v, **kwargs):
+            kernel_calls.append(("decode" if q.shape[2] == 1 else "prefill", q.shape[-1], k.shape[-1], v.shape[-1]))
+            return compiled(q, k, v, **kwargs)
+
+        return recording_flex_attention
 
     prompts = random_prompts([7, 30], config.vocab_size, seed=13)
     sequences = [Sequence(input_ids=ids, max_new_tokens=8, record_logits=True) for ids in prompts]
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(qwen3_flex_inference, "flex_attention_compiled", recording_flex_attention)
+        for name in ("flex_attention_compiled", "flex_attention_compiled_packed"):  # decode's, prefill's
+            patch.setattr(qwen3_flex_inference, name, recording(getattr(qwen3_flex_inference, name)))
         engine.generate(sequences)
     return dict(hf=hf, sdpa=sdpa, engine=engine, prompts=prompts, sequences=sequences, kernel_calls=kernel_calls)
 
