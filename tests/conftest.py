@@ -102,6 +102,44 @@ def compiled_decode_regions() -> dict[str, int]:
     return {region: compiled_variants(function) for region, function in regions.items()}
 
 
+# Prefills of three packed lengths in a fresh process: compiled variants other tests left would hide a recompile.
+PREFILL_COMPILES = """
+import json, sys
+import torch
+from conftest import load_hf, random_prompts
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+from torch.nn.attention.flex_attention import flex_attention
+from qwen3_flex_inference import FlexInference, Sequence
+
+path, device = sys.argv[1], torch.device(sys.argv[2])
+hf = load_hf(path).to(device)
+engine = FlexInference(load_hf(path).to(device), None, max_batch_size=4, max_seq_length=512, n_pages=64,
+                       page_size=16, max_new_tokens=3)
+report = []
+for seed, lengths in enumerate([[100, 20], [150, 130], [300, 120]]):  # packed rows of 256, 384 and 512 tokens
+    prompts = random_prompts(lengths, hf.config.vocab_size, seed=seed)
+    got = [s.output_ids for s in engine.generate([Sequence(input_ids=ids) for ids in prompts])]
+    want = [hf.generate(torch.tensor([ids], device=device), max_new_tokens=3, do_sample=False, pad_token_id=0,
+                        eos_token_id=sorted(engine.end_ids) or None)[0, len(ids):].tolist() for ids in prompts]
+    report.append(dict(variants=len(_debug_get_cache_entry_list(flex_attention.__code__)), equal=got == want))
+print(json.dumps(report))
+"""
+
+
+def prefill_compiles_report(path, device: str) -> list[dict]:
+    """For each of three prefills (packed rows of 256, 384 and 512 tokens) in a process of its own:
+    flex_attention's compiled variants after it, and whether the greedy tokens equal HF's."""
+    result = subprocess.run(
+        [sys.executable, "-c", PREFILL_COMPILES, str(path), device],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])},
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
 # The CLIs' bad input: one sentence and a non-zero exit (tests/test_cli.py, tests/test_bad_input.py).
 
 

@@ -1,18 +1,11 @@
 """The base engine against Hugging Face on tiny Qwen3 and Llama-3.2 checkpoints (float32, CPU)."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-from conftest import hf_greedy, load_hf, random_prompts
+from conftest import hf_greedy, load_hf, prefill_compiles_report, random_prompts
 
 from qwen3_flex_inference import FlexInference, Sequence
 
-ROOT = Path(__file__).resolve().parents[1]
 MAX_NEW_TOKENS = 24
 # Prompt lengths spanning several 16-token pages; more prompts than batch slots.
 PROMPT_LENGTHS = [5, 70, 17, 33, 48, 3, 90, 21]
@@ -214,39 +207,11 @@ def test_compiled_decode_step_is_compiled_once_for_all_buckets_and_layers_and_ma
         assert seq.output_ids == hf_greedy(hf, [ids], n, set())[0]
 
 
-PREFILL_COMPILES = """
-import json, sys
-from conftest import hf_greedy, load_hf, random_prompts
-from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-from torch.nn.attention.flex_attention import flex_attention
-from qwen3_flex_inference import FlexInference, Sequence
-
-hf = load_hf(sys.argv[1])
-engine = FlexInference(hf, None, max_batch_size=4, max_seq_length=512, n_pages=64, page_size=16, max_new_tokens=3)
-report = []
-for seed, lengths in enumerate([[100, 20], [150, 130], [300, 120]]):  # packed rows of 256, 384 and 512 tokens
-    prompts = random_prompts(lengths, hf.config.vocab_size, seed=seed)
-    got = [s.output_ids for s in engine.generate([Sequence(input_ids=ids) for ids in prompts])]
-    report.append(dict(variants=len(_debug_get_cache_entry_list(flex_attention.__code__)),
-                       equal=got == hf_greedy(hf, prompts, 3, engine.end_ids)))
-print(json.dumps(report))
-"""
-
-
 def test_prefill_attention_compiles_once_for_every_packed_length(tiny_dir):
     """The packed prefill row's length is symbolic from the first compile: prefills of 256, 384 and
     512 tokens compile flex_attention once (before, the second length compiled every prefill kernel
-    again: on the GPU a slow GRPO step). Tokens equal HF's at every length. A process of its own:
-    compiled variants that other tests left would hide a recompile."""
-    result = subprocess.run(
-        [sys.executable, "-c", PREFILL_COMPILES, str(tiny_dir / "qwen3")],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])},
-        cwd=ROOT,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    again: on the GPU a slow GRPO step). Tokens equal HF's at every length."""
+    report = prefill_compiles_report(tiny_dir / "qwen3", "cpu")
     assert all(step["equal"] for step in report), f"tokens differ from HF: {report}"
     variants = [step["variants"] for step in report]
     assert variants[0] > 0 and len(set(variants)) == 1, f"flex_attention variants after each prefill: {variants}"
