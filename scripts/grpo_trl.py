@@ -25,6 +25,7 @@ log-probs (`sampler_corrected`).
 
 import argparse
 import copy
+import gc
 import importlib.util
 import json
 import re
@@ -437,6 +438,28 @@ class TimedRollouts:
         return counts
 
 
+class GarbageCollectionTimer:
+    """Python's garbage collector, timed through gc.callbacks: running counts of its seconds and of its
+    full (generation 2) collections, so a slow step shows whether collection caused it."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self.full_collections = 0
+        self._start = None
+        gc.callbacks.append(self._on_collection)
+
+    def _on_collection(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.seconds += time.perf_counter() - self._start
+            self.full_collections += info["generation"] == 2
+            self._start = None
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._on_collection)
+
+
 def run(args) -> None:
     from datasets import Dataset
     from peft import LoraConfig, get_peft_model
@@ -529,6 +552,7 @@ def run(args) -> None:
                 torch.cuda.reset_peak_memory_stats(device)
             if isinstance(rollout_func, TimedRollouts):
                 logs.update(rollout_func.counts())
+            logs.update(gc_s=gc_timer.seconds, gc_full_collections=float(gc_timer.full_collections))
             label = "total" if "train_runtime" in logs else f"step {state.global_step}"
             metrics = " ".join(f"{key}={value:.4g}" for key, value in logs.items() if isinstance(value, float))
             print(f"{label}: {metrics}", flush=True)
@@ -566,7 +590,11 @@ def run(args) -> None:
     trainer.remove_callback(PrinterCallback)
     trainer.add_callback(PrintMetrics())
     trainer.add_callback(gradient_guard)
-    trainer.train()
+    gc_timer = GarbageCollectionTimer()
+    try:
+        trainer.train()
+    finally:
+        gc_timer.close()
     output_dir.cleanup()
     if args.out:
         report = dict(

@@ -223,3 +223,24 @@ def test_a_simulated_card_caps_the_device_by_its_ordinal_when_cuda_names_none(mo
     grpo_trl.limit_gpu_memory(grpo_trl.torch.device("cuda"), 24e9)
     grpo_trl.limit_gpu_memory(grpo_trl.torch.device("cuda", 1), 40e9)
     assert calls == [(0.3, 3), (0.5, 1)]
+
+
+def test_garbage_collection_timer_counts_a_full_collection_and_detaches():
+    """The per-step log's gc_s and gc_full_collections: a full collection is timed and counted, and
+    closing the timer removes its callback."""
+    import gc
+
+    timer = grpo_trl.GarbageCollectionTimer()
+    try:
+        cycles = [[] for _ in range(10_000)]
+        for cycle in cycles:
+            cycle.append(cycle)  # reference cycles: only the collector frees them
+        del cycles
+        gc.collect(2)
+        assert timer.full_collections >= 1 and timer.seconds > 0, f"{timer.full_collections=} {timer.seconds=}"
+    finally:
+        timer.close()
+    assert timer._on_collection not in gc.callbacks
+    full_collections = timer.full_collections
+    gc.collect(2)
+    assert timer.full_collections == full_collections, "a closed timer still counts"
