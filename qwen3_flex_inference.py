@@ -1450,6 +1450,10 @@ class ModelRunner:
     them.
     """
 
+    # every packed prefill row is at least 2 of the masks' 128-token blocks: torch.compile specializes
+    # a size of 1, so a 1-block row would compile prefill attention apart
+    min_packed_tokens = 256
+
     def __init__(
         self,
         causal_lm: nn.Module,
@@ -1474,10 +1478,9 @@ class ModelRunner:
         self.sliding_windows = sliding_windows  # attention regime -> window (None: full causal)
         self.page_size = next(iter(page_tables.values())).page_size
         self.max_batch_size = max_batch_size  # the most sequences in one step, prefill or decode
-        # the longest packed prefill row; every row is at least 2 of the masks' 128-token blocks:
-        # torch.compile specializes a size of 1, so a 1-block row would compile prefill attention apart
-        self.min_packed_tokens = 256
-        self.max_packed_tokens = max(self.min_packed_tokens, -(-max_prefill_tokens // 128) * 128)
+        self.max_packed_tokens = max(
+            self.min_packed_tokens, -(-max_prefill_tokens // 128) * 128
+        )  # the longest packed row
         self.device = next(causal_lm.parameters()).device
         self.dtype = self.decoder.embed_tokens.weight.dtype
         self.kv_memory = KVMemory(self.device, is_sleep_mode)
@@ -2643,9 +2646,10 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
 # Kernels: compiled flex_attention, its options, the compile-shape policy
 # ---------------------------------------------------------------------------------------------
 
-# Compiled once for the whole process. Decode's (and scoring's gathered rows) with dynamo's automatic
-# dynamic shapes under the engine's static marks; prefill's with every size symbolic but those marked
-# static (mark_compile_shapes "packed"): the packed length, and the mask's sizes that follow it.
+# Compiled once for the whole process. Decode's with dynamo's automatic dynamic shapes under the
+# engine's static marks; prefill's (the packed row, and Gemma's shortcut rows) with every size symbolic
+# but those marked static (mark_compile_shapes "packed"): the packed length, and the mask's sizes that
+# follow it.
 flex_attention_compiled = torch.compile(flex_attention, fullgraph=True)
 flex_attention_compiled_packed = torch.compile(flex_attention, fullgraph=True, dynamic=True)
 

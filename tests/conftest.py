@@ -126,9 +126,10 @@ print(json.dumps(report))
 """
 
 
-def prefill_compiles_report(path, device: str) -> list[dict]:
-    """For each of three prefills (packed rows of 256, 384 and 512 tokens) in a process of its own:
-    flex_attention's compiled variants after it, and whether the greedy tokens equal HF's."""
+def assert_prefill_attention_compiles_once(path, device: str) -> None:
+    """Three prefills (packed rows of 256, 384 and 512 tokens) in a process of its own: greedy tokens
+    equal HF's after each, and flex_attention has as many compiled variants after the first as after
+    the last."""
     result = subprocess.run(
         [sys.executable, "-c", PREFILL_COMPILES, str(path), device],
         capture_output=True,
@@ -137,7 +138,10 @@ def prefill_compiles_report(path, device: str) -> list[dict]:
         cwd=ROOT,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert all(step["equal"] for step in report), f"tokens differ from HF: {report}"
+    variants = [step["variants"] for step in report]
+    assert variants[0] > 0 and len(set(variants)) == 1, f"flex_attention variants after each prefill: {variants}"
 
 
 # The CLIs' bad input: one sentence and a non-zero exit (tests/test_cli.py, tests/test_bad_input.py).
