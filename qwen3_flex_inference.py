@@ -174,12 +174,13 @@ class SamplingParams:
 
 GREEDY = SamplingParams(temperature=0.0)
 # NOTE: a merged adapter is rebuilt as pristine + delta into the engine's model, and fused projections
-# replace its weights by views of one fused tensor: neither may happen to a trainer's own model.
+# replace its weights by new frozen parameters (views of one fused tensor): neither may happen to the
+# weights a trainer trains. A LoRA trainer's frozen base may be fused (zero copy).
 TRAINERS_OWN_MODEL = (
-    "the engine would rewrite the trainer's own model (a merged adapter, fused projections, or base_model= "
-    "the engine's model): for zero copy give the trainer's model as model= (and its PEFT model as "
-    "peft_model=) without merge_lora or fuse_projections; else give the engine a copy of its own as model= "
-    "and the trainer's model as peft_model= and base_model="
+    "the engine would rewrite the trainer's own model (a merged adapter, fused projections of the weights it "
+    "trains, or base_model= the engine's model): for zero copy give the trainer's model as model= (and its PEFT "
+    "model as peft_model=) without merge_lora, and for full fine-tuning without fuse_projections; else give the "
+    "engine a copy of its own as model= and the trainer's model as peft_model= and base_model="
 )
 # How a decode step picks its rows' tokens (sampling_mode): each mode is its own graph per bucket.
 GREEDY_MODE, SAMPLE_MODE, FILTERED_MODE = "greedy", "sample", "filtered"
@@ -231,9 +232,11 @@ class FlexInference:
     model. The engine then shares every weight with the trainer and applies the adapter unmerged
     from the trainer's live A and B, which the optimizer updates in place: no second copy, no
     refresh, no recapture. Its patches are in place only inside its own calls, so the trainer's
-    forward and backward are HF's own. Fused projections and a merged adapter rewrite weights and
-    need a copy of their own. For full fine-tuning, the trainer's model as `model` (no peft_model)
-    shares its weights the same way.
+    forward and backward are HF's own. With `fuse_projections`, the trainer's frozen base weights
+    become views of the fused tensors (same values, same memory), and the engine keeps a copy of A
+    and B in the weights' dtype inside them, which each engine call refreshes. A merged adapter
+    rewrites weights and needs a copy of its own. For full fine-tuning, the trainer's model as
+    `model` (no peft_model) shares its weights the same way, unfused.
 
     The KV pool holds `n_pages` pages of `page_size` tokens (page 0 reserved), or is sized from a
     memory budget: `kv_cache_gb` (GB of 1e9 bytes) or `kv_cache_memory_fraction` (a share of the
@@ -285,12 +288,12 @@ class FlexInference:
         self.fuse_projections = fuse_projections
         if base_model is not None and unwrap_causal_lm(base_model) is self.causal_lm and not self.is_zero_copy:
             raise FlexInferenceError(TRAINERS_OWN_MODEL)
-        if self.is_zero_copy and (merge_lora or fuse_projections):
+        if self.is_zero_copy and merge_lora:
             raise FlexInferenceError(
                 "the engine runs the trainer's own model (zero copy), whose weights it never writes: "
-                f"{'merge_lora' if merge_lora else 'fuse_projections'} needs a copy of the model of its own "
+                "merge_lora needs a copy of the model of its own "
                 "(load the checkpoint again as model=, with the trainer's model as peft_model= and base_model=)",
-                "merge_lora" if merge_lora else "fuse_projections",
+                "merge_lora",
             )
         self.config = self.causal_lm.config
         self.tokenizer = tokenizer
@@ -304,11 +307,8 @@ class FlexInference:
             and not self.is_zero_copy
             and resolve_merge_lora(merge_lora, self.causal_lm, peft_model)
         )
-        if fuse_projections and peft_model is not None and not self.merge_lora:
-            raise FlexInferenceError(
-                "fuse_projections needs merged LoRA weights; an unmerged adapter runs beside each projection",
-                "fuse_projections",
-            )
+        # zero copy reads the trainer's A and B where they are; fused projections take copies of them
+        self.is_live_adapter = self.is_zero_copy and not fuse_projections
         sliding_windows = attention_regimes(self.config)
         runner_class = self.runner_class or ModelRunner
         pool_sizes = kv_pool_pages(
@@ -342,6 +342,7 @@ class FlexInference:
             fuse_projections=fuse_projections,
             skinny_gemms=skinny_gemms,
             is_lora_merged=self.merge_lora,
+            unmerged_lora_layers=lora_layers(peft_model) if peft_model is not None and not self.merge_lora else None,
             decode_attention=decode_attention,
             is_sleep_mode=enable_sleep_mode,
         )
@@ -356,9 +357,16 @@ class FlexInference:
                 self.lora_targets = lora_target_weights(self.causal_lm, peft_model)
                 self.pristine_lora_weights = snapshot_pristine_lora_weights(self.lora_targets, base_model)
             else:
-                self.unmerged_lora = attach_unmerged_lora(
-                    self.causal_lm, peft_model, self.runner.patches, self.is_zero_copy
-                )
+                self.unmerged_lora = {
+                    **self.runner.fused_lora_weights,
+                    **attach_unmerged_lora(
+                        self.causal_lm,
+                        peft_model,
+                        self.runner.patches,
+                        self.is_live_adapter,
+                        self.runner.fused_lora_weights,
+                    ),
+                }
             self.refresh_lora()
 
     def prepare(self, sequences: list[Sequence]) -> None:
@@ -434,7 +442,7 @@ class FlexInference:
         self.prepare(sequences)
         if shard is not None:
             sequences = sequences[shard]
-        with compile_settings(), self.runner.patches.installed():
+        with self.engine_call():
             if capture_cudagraph:
                 # every mode a step can take: a step's mode is the most demanding of its rows'
                 self.capture_cuda_graphs(modes=sorted({sampling_mode([seq]) for seq in sequences}))
@@ -571,7 +579,7 @@ class FlexInference:
         self.scheduler.add(waiting)
         logits = []
         try:
-            with compile_settings(), self.runner.patches.installed():
+            with self.engine_call():
                 while self.scheduler.waiting:
                     batch, _ = self.scheduler.admit()
                     if not batch:
@@ -593,11 +601,21 @@ class FlexInference:
         greedy), largest first, in one memory pool."""
         self.check_awake()
         start = time.perf_counter()
-        with compile_settings(), self.runner.patches.installed():
+        with self.engine_call():
             graph_s = self.runner.capture_cuda_graphs(buckets, modes)
         if graph_s:
             self.timings["capture_s"] = time.perf_counter() - start
             self.timings["capture_s_per_graph"] = {f"{bucket} {mode}": s for (bucket, mode), s in graph_s.items()}
+
+    @contextlib.contextmanager
+    def engine_call(self):
+        """Inside each of the engine's calls: its compile settings and model patches; zero copy with
+        fused projections first copies the trainer's current A and B in (the optimizer stepped them
+        since), so no refresh call is needed."""
+        with compile_settings(), self.runner.patches.installed():
+            if self.is_zero_copy and not self.is_live_adapter:
+                refresh_unmerged_lora(self.unmerged_lora, self.peft_model)
+            yield
 
     def sleep(self) -> None:
         """Gives the KV pool's memory back to the device (a trainer's step can use it) until
@@ -618,7 +636,8 @@ class FlexInference:
         """Brings the PEFT model's current adapter into the engine, in place: re-merged from the
         pristine weights, or copied beside them when unmerged. Zero copy reads the adapter itself:
         nothing to bring, unless the trainer replaced its tensors (then the engine reads the new
-        ones, and its CUDA graphs are captured again)."""
+        ones, and its CUDA graphs are captured again); with fused projections it keeps copies,
+        which every engine call refreshes (`engine_call`)."""
         if self.peft_model is None:
             raise FlexInferenceError(
                 "this engine has no LoRA adapter to refresh: build it with peft_model= (or, for full "
@@ -626,7 +645,7 @@ class FlexInference:
             )
         if self.merge_lora:
             refresh_lora_merge_from_pristine(self.lora_targets, self.pristine_lora_weights, self.peft_model)
-        elif not self.is_zero_copy:
+        elif not self.is_live_adapter:
             refresh_unmerged_lora(self.unmerged_lora, self.peft_model)
         elif not reads_live_adapter(self.unmerged_lora, self.peft_model):  # the trainer replaced A or B: read the new
             self.unmerged_lora = attach_unmerged_lora(self.causal_lm, self.peft_model, self.runner.patches, True)
@@ -646,7 +665,7 @@ class FlexInference:
             applied = {f"{name}.{part}": w for name, pair in self.unmerged_lora.items() for part, w in zip("AB", pair)}
             modules = dict(self.causal_lm.named_modules())
             base = {name: getattr(modules[name], "base_layer", modules[name]).weight for name in self.unmerged_lora}
-            whose = "the trainer's own A and B, zero copy" if self.is_zero_copy else "the engine's copy of A and B"
+            whose = "the trainer's own A and B, zero copy" if self.is_live_adapter else "the engine's copy of A and B"
             covers = (
                 f"the unmerged adapter: A and B beside base weights that are never written ({whose}; "
                 "the merged double-copy is not in use)"
@@ -1468,6 +1487,7 @@ class ModelRunner:
         fuse_projections: bool = False,
         skinny_gemms: bool = True,
         is_lora_merged: bool = False,
+        unmerged_lora_layers: dict[str, nn.Module] | None = None,
         decode_attention: str | None = None,
         is_sleep_mode: bool = False,
     ):
@@ -1505,8 +1525,12 @@ class ModelRunner:
         self.decode_attention = resolve_decode_attention(decode_attention, self.device)
         self.patches = ModelPatches()
         self.patch_attention()
+        # fused projections with an unmerged adapter: the engine's copies of its A and B, by target name
+        self.fused_lora_weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         if fuse_projections:
-            fuse_decoder_projections(self.decoder, is_lora_merged, self.patches)
+            self.fused_lora_weights = fuse_decoder_projections(
+                causal_lm, is_lora_merged, unmerged_lora_layers or {}, self.patches
+            )
         if skinny_gemms:
             route_linears_through_skinny([*self.decoder.modules(), causal_lm.lm_head], self.patches)
 
@@ -3486,53 +3510,123 @@ def qkv_projections(attn) -> list[nn.Module]:
 
 
 def project(owner: nn.Module, linears: list[nn.Module], fused_name: str, x: torch.Tensor) -> list[torch.Tensor]:
-    """Each linear's output: one GEMM over the fused weight when there is one."""
+    """Each linear's output: one GEMM over the fused weight when there is one. An unmerged adapter's
+    A rows ride below the fused weight's (`fuse_linears`): that GEMM also gives x A^T [..., ranks],
+    and one more applies every target's B at once (block-diagonal), times its scaling."""
     fused = getattr(owner, fused_name, None)
     if fused is None:
         return [linear(x) for linear in linears]
     linear = skinny_linear if getattr(owner, "is_skinny", False) else nn.functional.linear
-    return list(linear(x, fused).split(getattr(owner, fused_name + "_sizes"), dim=-1))
+    out = linear(x, fused)
+    lora_B_OR = getattr(owner, fused_name + "_lora_B", None)  # [sum of outputs, sum of ranks]
+    if lora_B_OR is not None:
+        base_out, lora_hidden = out.split(list(lora_B_OR.shape), dim=-1)
+        lora_out = nn.functional.linear(lora_hidden, lora_B_OR) * getattr(owner, fused_name + "_lora_scaling")
+        out = (base_out + lora_out).to(base_out.dtype)
+    return list(out.split(getattr(owner, fused_name + "_sizes"), dim=-1))
 
 
-def fuse_decoder_projections(decoder: nn.Module, is_lora_merged: bool, patches: ModelPatches) -> None:
-    """q/k/v and gate/up of every layer each become one GEMM (fewer, larger GEMMs read weights faster)."""
-    for layer in decoder.layers:
+def fuse_decoder_projections(
+    causal_lm: nn.Module, is_lora_merged: bool, unmerged_lora_layers: dict[str, nn.Module], patches: ModelPatches
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """q/k/v and gate/up of every layer each become one GEMM (fewer, larger GEMMs read weights faster).
+
+    An unmerged adapter (`unmerged_lora_layers`: PEFT LoRA layers by text-model name) rides along:
+    each group's GEMM also computes x A^T for its targets, and o_proj and down_proj, when targeted,
+    become groups of one for it. A and B are then the engine's copies, in the weights' dtype,
+    refreshed in place (`refresh_unmerged_lora`); returns them by target name. The base weights
+    become views of the fused tensors, with the same values (zero copy: the trainer's own).
+    """
+    module_names = {module: text_model_name(name) for name, module in causal_lm.named_modules()}
+    lora_weights = {}
+    for layer in causal_lm.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         qkv = qkv_projections(attn)
-        linears = qkv + [mlp.gate_proj, mlp.up_proj]
-        if any(hasattr(linear, "lora_A") for linear in linears) and not is_lora_merged:
-            raise FlexInferenceError("fuse_projections needs merged LoRA weights", "fuse_projections")
+        linears = qkv + [mlp.gate_proj, mlp.up_proj, attn.o_proj, mlp.down_proj]
         if any(getattr(linear, "base_layer", linear).bias is not None for linear in linears):
             raise FlexInferenceError("fuse_projections supports bias-free projections only", "fuse_projections")
         if any(is_quantized_linear(linear) for linear in linears):
             raise FlexInferenceError(
                 "fuse_projections needs float weights; 4-bit weights keep one GEMM per projection", "fuse_projections"
             )
-        if len(qkv) > 1:
-            fuse_linears(attn, qkv, "fused_qkv_weight")
-        fuse_linears(mlp, [mlp.gate_proj, mlp.up_proj], "fused_gate_up_weight")
+        adapters = {linear: unmerged_lora_layers.get(module_names[linear]) for linear in linears}
+        if not is_lora_merged and any(hasattr(linear, "lora_A") and not adapters[linear] for linear in linears):
+            raise FlexInferenceError(
+                "fuse_projections would skip an adapter the engine was not given: pass its PEFT model as peft_model=",
+                "fuse_projections",
+            )
+        if any(layer.fan_in_fan_out for layer in adapters.values() if layer is not None):
+            raise FlexInferenceError("an adapter that stores its weights transposed (fan_in_fan_out) is not supported")
+        groups = [(attn, qkv, "fused_qkv_weight"), (mlp, [mlp.gate_proj, mlp.up_proj], "fused_gate_up_weight")]
+        groups += [(linear, [linear], "fused_weight") for linear in (attn.o_proj, mlp.down_proj) if adapters[linear]]
+        for owner, group, fused_name in groups:
+            if len(group) > 1 or any(adapters[linear] for linear in group):
+                group_adapters = [adapters[linear] for linear in group]
+                views = fuse_linears(owner, group, fused_name, group_adapters)
+                lora_weights.update({module_names[linear]: views[linear] for linear in views})
         patches.replace_forward(mlp, fused_mlp_forward.__get__(mlp))
+        for linear in (attn.o_proj, mlp.down_proj):
+            if hasattr(linear, "fused_weight"):
+                patches.replace_forward(linear, fused_linear_forward.__get__(linear))
+    return lora_weights
 
 
-def fuse_linears(owner: nn.Module, linears: list[nn.Module], name: str) -> None:
+def fuse_linears(
+    owner: nn.Module, linears: list[nn.Module], name: str, adapters: list[nn.Module | None]
+) -> dict[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
     """Concatenates the weights of linears that read the same input into `owner.<name>`
-    ([sum of outputs, in]) and makes each linear's weight a view of its rows: one GEMM computes
-    them all, and in-place writes to a linear's weight (the LoRA refresh) land in the fused one."""
+    ([sum of outputs + sum of ranks, in]) and makes each linear's weight a view of its rows: one GEMM
+    computes them all, and in-place writes to a linear's weight (the LoRA refresh) land in the fused
+    one. Each linear's adapter (a PEFT LoRA layer, or None) gets its A's rows below the weights and
+    its B a block of `owner.<name>_lora_B` [sum of outputs, sum of ranks] (zero elsewhere), with its
+    scaling on its output columns in `owner.<name>_lora_scaling`. Returns the (A, B) views by linear."""
     bases = [getattr(linear, "base_layer", linear) for linear in linears]
-    fused = torch.cat([base.weight.detach() for base in bases])
+    sizes = [base.weight.shape[0] for base in bases]
+    weights_A = {
+        linear: adapter.lora_A[adapter.active_adapters[0]].weight
+        for linear, adapter in zip(linears, adapters)
+        if adapter is not None
+    }
+    ranks = [weight.shape[0] for weight in weights_A.values()]
+    like = bases[0].weight
+    fused = torch.empty(sum(sizes) + sum(ranks), like.shape[1], dtype=like.dtype, device=like.device)
     start = 0
     for base in bases:
         rows = base.weight.shape[0]
+        fused[start : start + rows] = base.weight.detach()
         base.weight = nn.Parameter(fused[start : start + rows], requires_grad=False)
         start += rows
     setattr(owner, name, fused)
-    setattr(owner, name + "_sizes", [base.weight.shape[0] for base in bases])
+    setattr(owner, name + "_sizes", sizes)
+    if not weights_A:
+        return {}
+    lora_B_OR = torch.zeros(sum(sizes), sum(ranks), dtype=like.dtype, device=like.device)
+    scaling_O = torch.zeros(sum(sizes), dtype=torch.float32, device=like.device)
+    views = {}
+    row_start, rank_start = 0, 0
+    for linear, adapter, size in zip(linears, adapters, sizes):
+        if adapter is not None:
+            rank = weights_A[linear].shape[0]
+            rows, cols = slice(row_start, row_start + size), slice(rank_start, rank_start + rank)
+            lora_A_RI = fused[sum(sizes) + rank_start : sum(sizes) + rank_start + rank]
+            views[linear] = (lora_A_RI, lora_B_OR[rows, cols])
+            scaling_O[rows] = adapter.scaling[adapter.active_adapters[0]]
+            rank_start += rank
+        row_start += size
+    setattr(owner, name + "_lora_B", lora_B_OR)
+    setattr(owner, name + "_lora_scaling", scaling_O)
+    return views
 
 
 def fused_mlp_forward(self, x):
     """Replaces the gated MLP's forward when gate/up are fused: down(act(gate) * up)."""
     gate, up = project(self, [self.gate_proj, self.up_proj], "fused_gate_up_weight", x)
     return self.down_proj(self.act_fn(gate) * up)
+
+
+def fused_linear_forward(self, x):
+    """Replaces an adapted o_proj's or down_proj's forward: its weight and the adapter's A in one GEMM."""
+    return project(self, [self], "fused_weight", x)[0]
 
 
 def route_linears_through_skinny(modules: list[nn.Module], patches: ModelPatches) -> None:
@@ -3543,7 +3637,7 @@ def route_linears_through_skinny(modules: list[nn.Module], patches: ModelPatches
         # NOTE: exact type: quantized linears (bitsandbytes' Linear4bit) subclass nn.Linear.
         if type(module) is nn.Linear and module.bias is None:
             patches.replace_forward(module, skinny_linear_forward.__get__(module))
-        if hasattr(module, "fused_qkv_weight") or hasattr(module, "fused_gate_up_weight"):
+        if any(hasattr(module, name) for name in ("fused_qkv_weight", "fused_gate_up_weight", "fused_weight")):
             module.is_skinny = True
 
 
@@ -3657,18 +3751,21 @@ def resolve_merge_lora(merge_lora: bool | None, causal_lm: nn.Module, peft_model
 
 
 def attach_unmerged_lora(
-    causal_lm: nn.Module, peft_model: nn.Module, patches: ModelPatches, is_zero_copy: bool
+    causal_lm: nn.Module, peft_model: nn.Module, patches: ModelPatches, is_live_adapter: bool, skip=()
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Gives every module the adapter targets a forward (inside the engine's calls) of
-    base(x) + (x A^T) B^T * scaling, PEFT's own order of operations and dtypes, with A [rank, in] and
-    B [out, rank]: the adapter's own parameters when `is_zero_copy` (the engine runs the trainer's
-    PEFT model: its optimizer updates them in place), else the engine's copies of them, refreshed in
-    place. Either way captured CUDA graphs stay valid. A PEFT layer's adapter path is replaced (its
-    base layer computes the base). Returns (A, B) by module name."""
+    """Gives every module the adapter targets (but those in `skip`, fused with their projections) a
+    forward (inside the engine's calls) of base(x) + (x A^T) B^T * scaling, PEFT's own order of
+    operations and dtypes, with A [rank, in] and B [out, rank]: the adapter's own parameters when
+    `is_live_adapter` (zero copy: the engine runs the trainer's PEFT model, whose optimizer updates
+    them in place), else the engine's copies of them, refreshed in place. Either way captured CUDA
+    graphs stay valid. A PEFT layer's adapter path is replaced (its base layer computes the base).
+    Returns (A, B) by module name."""
     modules = dict(causal_lm.named_modules())
     device = causal_lm.model.embed_tokens.weight.device
     lora_weights = {}
     for name, layer in lora_layers(peft_model).items():
+        if name in skip:
+            continue
         module = modules.get(name)
         if module is None:
             raise FlexInferenceError(f"the adapter targets {name}, which the inference model does not have")
@@ -3676,7 +3773,7 @@ def attach_unmerged_lora(
             raise FlexInferenceError(f"{name} stores its weight transposed (fan_in_fan_out): not supported")
         adapter = layer.active_adapters[0]
         lora_A_RI, lora_B_OR = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
-        if is_zero_copy:  # views: they keep the storage the graphs read, whatever the trainer reassigns
+        if is_live_adapter:  # views: they keep the storage the graphs read, whatever the trainer reassigns
             lora_A_RI, lora_B_OR = lora_A_RI.detach(), lora_B_OR.detach()
         else:
             lora_A_RI = torch.zeros(lora_A_RI.shape, dtype=lora_A_RI.dtype, device=device)

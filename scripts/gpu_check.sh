@@ -44,9 +44,10 @@
 #                      and the engine on a copy; all runs in $OUT/card_${CARD_GB}gb.json ($CARD_RUNS picks); a run that
 #                      finished (or ran out of memory) in an earlier call on the same warm machine is not run again
 # zero_copy:           the zero-copy GPU tests, then TRL's E2B step (8 x 8 x 256, LoRA r$LORA_R, default 16) with the engine on
-#                      the trainer's own model (zero copy, compiled step + CUDA graphs, KV pool asleep between rollouts), on a copy of its own (the fastest
-#                      mode: fused projections, merged adapter) and TRL's own generation: step time and each step's peak memory (~8 min;
-#                      $ZERO_COPY_RUNS picks among zero_copy copy hf; $ZERO_COPY_ARGS adds grpo_trl flags to all)
+#                      the trainer's own model (zero copy, compiled step + CUDA graphs, KV pool asleep between rollouts; with
+#                      fused projections, and without), on a copy of its own (fused projections, merged adapter) and TRL's
+#                      own generation: step time and each step's peak memory (~10 min; $ZERO_COPY_RUNS picks among
+#                      zero_copy_fused zero_copy copy hf; $ZERO_COPY_ARGS adds grpo_trl flags to all)
 # fourbit:             the 4-bit GPU test (tiny Qwen3, Llama, Gemma-4: float32-compute NF4 + unmerged LoRA = HF + PEFT,
 #                      eager and compiled under CUDA graphs), then E2B in NF4 (bf16 compute), compiled step + CUDA graphs,
 #                      batch 1 and 64, without and with a rank-16 LoRA adapter, with kernel profiles; carry .whl/bnb (~7 min)
@@ -191,10 +192,11 @@ run() {  # run NAME CMD...: logs the command, its status and its time
         [ -n "${ZERO_COPY_SKIP_TESTS:-}" ] || run gpu_tests_zero_copy $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py -k zero_copy
         grpo="--device cuda --dtype bfloat16 --num_prompts 8 --num_generations 8 --max_completion_length 256 --steps ${ZERO_COPY_STEPS:-4} ${ZERO_COPY_ARGS:-}"
         e2b="--model_name unsloth/gemma-4-E2B-it --load_format dummy --tokenizer $tiny/gemma4 --lora_r ${LORA_R:-16}"
-        for kind in ${ZERO_COPY_RUNS:-zero_copy copy hf}; do
+        for kind in ${ZERO_COPY_RUNS:-zero_copy_fused zero_copy copy hf}; do
           case $kind in
             zero_copy) options="--capture_cudagraph --compile_decode --engine_weights shared --enable_sleep_mode" ;;
-            copy) options="$fastest" ;;
+            zero_copy_fused) options="$fastest --engine_weights shared --enable_sleep_mode" ;;
+            copy) options="$fastest --engine_weights copy" ;;
             hf) options="--backend hf" ;;
           esac
           run trl_e2b_${kind}_r${LORA_R:-16} $PY -m scripts.grpo_trl $e2b $grpo $options --out "$OUT/trl_e2b_${kind}_r${LORA_R:-16}.json"
@@ -216,7 +218,7 @@ run() {  # run NAME CMD...: logs the command, its status and its time
         for kind in ${CARD_RUNS:-zero_copy hf copy}; do
           case $kind in  # where each search starts (prompts of 8 completions): where it is expected to end
             zero_copy) start=64 options="--capture_cudagraph --compile_decode --engine_weights shared --enable_sleep_mode --kv_cache_gb 1.5" ;;
-            copy) start=8 options="$fastest --kv_cache_gb 1.5" ;;
+            copy) start=8 options="$fastest --engine_weights copy --kv_cache_gb 1.5" ;;
             hf) start=64 options="--backend hf" ;;
           esac
           # num_prompts doubles while it fits and halves while it does not, within 1..64 (8 to 512 completions)

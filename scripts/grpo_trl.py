@@ -131,8 +131,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
         choices=["auto", "shared", "copy"],
         default="auto",
         help="engine: shared runs the trainer's own PEFT model (zero copy: no second copy of the weights, the adapter "
-        "read live); copy loads an inference copy (--fuse_projections needs one); auto: shared unless "
-        "--fuse_projections",
+        "read live, or copied in at each rollout with --fuse_projections); copy loads an inference copy with the "
+        "adapter merged; auto: shared",
     )
     p.add_argument(
         "--micro_batch_size",
@@ -220,10 +220,6 @@ def check_args(args) -> None:
         if args.engine_weights != "auto":
             raise FlexInferenceError("--engine_weights acts on the engine's rollouts: use it with --backend engine")
         return
-    if args.engine_weights == "shared" and args.fuse_projections:
-        raise FlexInferenceError(
-            "--fuse_projections rewrites the weights into fused copies: use it with --engine_weights copy (or auto)"
-        )
     if args.capture_cudagraph and device.type != "cuda":
         raise FlexInferenceError("--capture_cudagraph needs a CUDA device")
     if args.max_seq_length % engine_page_size(device):
@@ -489,7 +485,7 @@ def run(args) -> None:
             from gemma4_flex_inference import FlexGemma4Inference as engine_class
         else:
             engine_class = FlexInference
-        is_shared = args.engine_weights == "shared" or (args.engine_weights == "auto" and not args.fuse_projections)
+        is_shared = args.engine_weights != "copy"
         engine = engine_class(
             # zero copy: the trainer's own model; else an inference copy (same seed, same weights)
             policy if is_shared else load_model(model_name, is_gemma, dtype, device, args.load_format),

@@ -601,18 +601,17 @@ def test_refresh_lora_without_a_peft_model_is_refused_with_one_sentence(qwen3_en
 
 def test_a_trainers_own_model_is_refused_only_where_the_engine_would_rewrite_it(tiny_dir):
     """Zero copy runs the trainer's own PEFT model (tests/test_zero_copy.py); merging the adapter into
-    it or fusing its projections would rewrite the trainer's weights: refused in one sentence before
-    anything changes. A full model the engine fused is refused at the trainer's first sync."""
+    it would rewrite the trainer's weights: refused in one sentence before anything changes. A full
+    model (every weight trained) the engine fused is refused at the trainer's first sync."""
     from conftest import load_hf
     from peft import LoraConfig, get_peft_model
 
     policy = get_peft_model(load_hf(tiny_dir / "qwen3"), LoraConfig(r=4, target_modules=LORA_TARGETS))
     weights = {name: p.data_ptr() for name, p in policy.named_parameters()}
     limits = dict(max_batch_size=2, max_seq_length=256, n_pages=64, page_size=16)
-    for option in ("merge_lora", "fuse_projections"):
-        with pytest.raises(FlexInferenceError) as info:
-            FlexInference(policy, None, peft_model=policy, **limits, **{option: True})
-        assert_one_sentence(str(info.value), "trainer's own model", option, "a copy of the model of its own")
+    with pytest.raises(FlexInferenceError) as info:
+        FlexInference(policy, None, peft_model=policy, **limits, merge_lora=True)
+    assert_one_sentence(str(info.value), "trainer's own model", "merge_lora", "a copy of the model of its own")
     assert {name: p.data_ptr() for name, p in policy.named_parameters()} == weights, "a weight was rewritten"
     assert not [name for name, module in policy.named_modules() if "forward" in module.__dict__], "a module patched"
 

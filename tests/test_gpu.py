@@ -351,12 +351,17 @@ def test_sampling_under_cuda_graphs_equals_eager_matches_hf_logprobs_and_load_we
     check_logprobs(new_weights, after)
 
 
-@pytest.mark.parametrize("options", [{}, {"compile_decode": True}], ids=["plain", "compiled"])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"compile_decode": True}, {"compile_decode": True, "fuse_projections": True}],
+    ids=["plain", "compiled", "compiled_fused"],
+)
 def test_zero_copy_greedy_follows_optimizer_steps_under_cuda_graphs_with_no_refresh_or_recapture(options):
     """The engine on the trainer's own PEFT model (trained CI-size Gemma-4, float32, train mode with
     gradient checkpointing as TRL leaves it): greedy tokens replayed from CUDA graphs equal HF + PEFT's
     before and after AdamW steps, with no refresh call and the same graphs; the KV pool sleeps through
-    the steps (its memory given back to the driver) and wakes at the same addresses."""
+    the steps (its memory given back to the driver) and wakes at the same addresses. Fused: the
+    adapter's copies inside the fused weights, refreshed at each call."""
     from peft import LoraConfig, get_peft_model
 
     from gemma4_flex_inference import FlexGemma4Inference, load_gemma4
@@ -365,7 +370,7 @@ def test_zero_copy_greedy_follows_optimizer_steps_under_cuda_graphs_with_no_refr
 
     torch.backends.cuda.matmul.allow_tf32 = False
     path = ensure_trained_checkpoints() / "gemma4"
-    lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0)
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"], lora_dropout=0.0)
     policy = get_peft_model(load_gemma4(str(path), torch.float32, torch.device("cuda")), lora)
     policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     policy.enable_input_require_grads()

@@ -39,10 +39,6 @@ BAD_ARGS = {
         ["--backend", "hf", "--engine_weights", "copy"],
         "--engine_weights acts on the engine's",
     ),
-    "shared weights fused": (
-        ["--engine_weights", "shared", "--fuse_projections"],
-        "--fuse_projections rewrites the weights into fused copies",
-    ),
     "hf with a kv budget": (["--backend", "hf", "--kv_cache_gb", "1"], "--kv_cache_gb acts on the engine's"),
     "two kv budgets": (
         ["--kv_cache_gb", "1", "--kv_cache_memory_fraction", "0.5"],

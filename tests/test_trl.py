@@ -135,7 +135,7 @@ def make_engine(name: str, path, tokenizer, **kwargs) -> FlexInference:
 def run(request, tmp_path_factory):
     """Two GRPO steps of TRL with the engine's rollouts on a trained checkpoint; Qwen3 with text
     prompts (function headers) on an inference copy of its own, Gemma-4 with chats in zero copy (the
-    engine runs the trainer's own PEFT model)."""
+    engine runs the trainer's own PEFT model) with fused projections (the adapter copied in at each call)."""
     name, path = request.param, ensure_trained_checkpoints() / request.param
     tokenizer = AutoTokenizer.from_pretrained(path)
     lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"])
@@ -143,7 +143,7 @@ def run(request, tmp_path_factory):
     # scripts/grpo_trl.py's limits on the CPU: the trained Qwen3's kernels, compiled for tests/test_learning.py, serve
     limits = dict(max_batch_size=64, max_seq_length=1024, n_pages=None, page_size=16, peft_model=policy)
     if name == "gemma4":
-        engine = FlexGemma4Inference(policy, tokenizer, **limits)
+        engine = FlexGemma4Inference(policy, tokenizer, fuse_projections=True, **limits)
     else:
         engine = make_engine(name, path, tokenizer, base_model=policy, **limits)
     chats = python_prompts()[:4]
@@ -206,13 +206,14 @@ def test_engine_after_the_second_sync_equals_hf_peft_with_the_trainers_adapter(r
 def test_the_pristine_base_is_the_trainers_frozen_base_and_stays_bit_equal(run):
     engine = run["engine"]
     base_weights = {name: layer.base_layer.weight for name, layer in lora_layers(run["policy"]).items()}
-    if engine.is_zero_copy:  # no pristine copy: the engine reads the trainer's base and adapter themselves
+    if engine.is_zero_copy:  # no pristine copy: the engine reads the trainer's base (and adapter) themselves
         trainer_storage = {p.data_ptr() for p in run["policy"].parameters()}
         assert all(p.data_ptr() in trainer_storage for p in engine.causal_lm.parameters())
-        assert all(
+        is_shared = [
             a.data_ptr() in trainer_storage and b.data_ptr() in trainer_storage
             for a, b in engine.unmerged_lora.values()
-        )
+        ]
+        assert all(is_shared) if engine.is_live_adapter else not any(is_shared)
         assert sha256_of(base_weights) == run["base_before"], f"{run['name']}: the base changed"
         return
     assert all(engine.pristine_lora_weights[name].data_ptr() == w.data_ptr() for name, w in base_weights.items())

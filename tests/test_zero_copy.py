@@ -1,5 +1,6 @@
 """Zero copy: the engine runs the trainer's own PEFT model (model= and peft_model= the same), sharing
-every weight and reading the adapter's live A and B. Float32 on the CPU, on the trained CI-size
+every weight and reading the adapter's live A and B, or, with fused projections, fusing the trainer's
+frozen base in place and copying A and B in at each call. Float32 on the CPU, on the trained CI-size
 Qwen3 and Gemma-4 (realistic distributions): the trainer's loss and gradients are an untouched
 twin's before and after rollouts, and after optimizer steps (no refresh call) the engine's greedy
 tokens are HF + PEFT's with the stepped adapter."""
@@ -42,14 +43,16 @@ def assert_same_training(model, twin, input_ids_1T, when: str) -> None:
     assert worst <= 1e-6, f"{when}: gradients differ by {worst}"
 
 
-@pytest.fixture(scope="module", params=["qwen3", "gemma4"])
+@pytest.fixture(scope="module", params=["qwen3", "gemma4", "qwen3 fused", "gemma4 fused"])
 def shared(request):
     """The trainer's PEFT model (dropout 0, B nonzero; train mode, gradient checkpointing and the input
     grad hook on, as TRL leaves it), an untouched twin with the same weights, and a zero-copy engine
-    on the first."""
-    name, path = request.param, ensure_trained_checkpoints() / request.param
+    on the first (with fused projections: q/k/v and gate/up each one GEMM, and the adapter's targets,
+    some of each group and down_proj alone, in them)."""
+    name, is_fused = request.param.split()[0], request.param.endswith("fused")
+    path = ensure_trained_checkpoints() / name
     tokenizer = AutoTokenizer.from_pretrained(path)
-    lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0)
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"], lora_dropout=0.0)
     torch.manual_seed(0)
     policy, twin = get_peft_model(load(name, path), lora), get_peft_model(load(name, path), lora)
     for param_name, param in policy.named_parameters():
@@ -61,10 +64,12 @@ def shared(request):
         model.enable_input_require_grads()
         model.train()
     engine_class = FlexGemma4Inference if name == "gemma4" else FlexInference
-    engine = engine_class(policy, tokenizer, peft_model=policy, **LIMITS)
+    engine = engine_class(policy, tokenizer, peft_model=policy, fuse_projections=is_fused, **LIMITS)
     input_ids_1T = torch.tensor([tokenizer("def add(a, b):\n    return a + b\n")["input_ids"]])
     prompt_ids = [tokenizer(prompt)["input_ids"] for prompt in PROMPTS]
-    return dict(name=name, policy=policy, twin=twin, engine=engine, input_ids=input_ids_1T, prompt_ids=prompt_ids)
+    return dict(
+        name=request.param, policy=policy, twin=twin, engine=engine, input_ids=input_ids_1T, prompt_ids=prompt_ids
+    )
 
 
 def test_the_engine_shares_every_weight_and_patches_nothing_outside_its_calls(shared):
@@ -72,8 +77,18 @@ def test_the_engine_shares_every_weight_and_patches_nothing_outside_its_calls(sh
     assert engine.is_zero_copy and not engine.merge_lora
     trainer_storage = {p.data_ptr() for p in policy.parameters()}
     assert all(p.data_ptr() in trainer_storage for p in engine.causal_lm.parameters())
-    for name, (lora_A_RI, lora_B_OR) in engine.unmerged_lora.items():
-        assert lora_A_RI.data_ptr() in trainer_storage and lora_B_OR.data_ptr() in trainer_storage, name
+    if engine.is_live_adapter:
+        for name, (lora_A_RI, lora_B_OR) in engine.unmerged_lora.items():
+            assert lora_A_RI.data_ptr() in trainer_storage and lora_B_OR.data_ptr() in trainer_storage, name
+    else:  # fused: the trainer's frozen q/k/v and gate/up are views of one tensor, with the A copies below them
+        attn = engine.causal_lm.model.layers[0].self_attn
+        fused = attn.fused_qkv_weight
+        assert attn.q_proj.base_layer.weight.data_ptr() == fused.data_ptr()
+        assert any(attn.q_proj.base_layer.weight is p for p in policy.parameters())
+        lora_A_RI = engine.unmerged_lora["model.layers.0.self_attn.q_proj"][0]
+        assert lora_A_RI.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+        copies = [w.data_ptr() for pair in engine.unmerged_lora.values() for w in pair]
+        assert not set(copies) & trainer_storage, "the engine's A and B are its copies, refreshed at each call"
     engine.generate(PROMPTS[:1], SamplingParams(max_tokens=4))
     patched = [
         name
@@ -134,18 +149,12 @@ def test_a_replaced_adapter_weight_is_read_again_at_the_next_sync(shared):
         engine.refresh_lora()
 
 
-@pytest.mark.parametrize("option", ["merge_lora", "fuse_projections"])
-def test_options_that_rewrite_weights_are_refused_in_zero_copy(shared, option):
+def test_a_merged_adapter_is_refused_in_zero_copy(shared):
     if shared["name"] != "qwen3":
         pytest.skip("the refusal does not depend on the model")
-    with pytest.raises(FlexInferenceError, match=f"{option} needs a copy of the model of its own"):
+    with pytest.raises(FlexInferenceError, match="merge_lora needs a copy of the model of its own"):
         FlexInference(
-            shared["policy"],
-            max_seq_length=256,
-            n_pages=64,
-            page_size=16,
-            peft_model=shared["policy"],
-            **{option: True},
+            shared["policy"], max_seq_length=256, n_pages=64, page_size=16, peft_model=shared["policy"], merge_lora=True
         )
 
 
