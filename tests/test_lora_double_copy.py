@@ -129,11 +129,17 @@ def test_unmerged_peft_wrapper_matches_merged_engine(setup, tiny_dir):
     assert got == hf_peft_merged_tokens(setup)
 
 
-def test_fused_projections_keep_the_lora_refresh_in_place(setup):
-    """With q/k/v and gate/up fused, the refresh writes through the views into the fused weights."""
+@pytest.mark.parametrize("merge_lora", [None, False], ids=["merged", "unmerged"])
+def test_fused_projections_keep_the_lora_refresh_in_place(setup, merge_lora):
+    """With q/k/v and gate/up fused, the refresh writes through the views into the fused weights; an
+    unmerged adapter's copies of A and B ride in the fused GEMMs and take the refresh the same way."""
     path = setup["path"]
     peft_model = PeftModel.from_pretrained(load_hf(path), path / "lora")
-    engine = make_engine(peft_model, peft_model=peft_model, fuse_projections=True)
+    engine = make_engine(peft_model, peft_model=peft_model, fuse_projections=True, merge_lora=merge_lora)
+    assert engine.merge_lora == (merge_lora is None)
+    assert bool(engine.runner.fused_lora_weights) == (merge_lora is False), (
+        "the unmerged adapter is not in the fused GEMMs"
+    )
     tokens = [s.output_ids for s in engine.generate([Sequence(input_ids=ids) for ids in setup["prompts"]])]
     assert tokens == hf_peft_merged_tokens(setup)
     with torch.no_grad():
