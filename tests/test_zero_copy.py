@@ -98,6 +98,23 @@ def test_the_engine_shares_every_weight_and_patches_nothing_outside_its_calls(sh
     assert not patched, f"engine forwards or their attributes left on the trainer's modules: {patched[:3]}"
 
 
+def test_fused_zero_copy_runs_the_adapter_inside_the_fused_gemms(shared, monkeypatch):
+    """GEMMs per layer in a forward (the fixture's adapter: q, v, up and down): unfused, each of the 7
+    projections and each target's A and B (7 + 2 x 4 = 15); fused, one per group (q/k/v, o,
+    gate/up, down), its targets' A rows inside it, and one B per adapted group (4 + 3 = 7)."""
+    if not shared["name"].startswith("qwen3"):
+        pytest.skip("Gemma-4's per-layer-input projections add GEMMs of their own: Qwen3's count only")
+    engine, linear = shared["engine"], torch.nn.functional.linear
+    weight_shapes = []
+    monkeypatch.setattr(
+        torch.nn.functional, "linear", lambda x, w, b=None: (weight_shapes.append(tuple(w.shape)), linear(x, w, b))[1]
+    )
+    engine.score([shared["prompt_ids"][0]])
+    num_layers = len(engine.causal_lm.model.layers)
+    per_layer = (len(weight_shapes) - 1) / num_layers  # and the lm_head
+    assert per_layer == (15 if engine.is_live_adapter else 7), f"{shared['name']}: {weight_shapes[:16]}"
+
+
 def test_training_equals_an_untouched_models_before_and_after_rollouts(shared):
     policy, twin, engine = shared["policy"], shared["twin"], shared["engine"]
     assert_same_training(policy, twin, shared["input_ids"], "before rollouts")
