@@ -622,6 +622,19 @@ def test_a_trainers_own_model_is_refused_only_where_the_engine_would_rewrite_it(
     assert_one_sentence(str(info.value), "trainer's own model", "fused projections")
 
 
+def test_fused_projections_refuse_an_adapter_the_engine_was_not_given(tiny_dir):
+    """A PEFT model as model= without peft_model=: fused GEMMs would skip its adapter, so it is refused."""
+    from conftest import load_hf
+    from peft import LoraConfig, get_peft_model
+
+    policy = get_peft_model(load_hf(tiny_dir / "qwen3"), LoraConfig(r=4, target_modules=LORA_TARGETS))
+    with pytest.raises(FlexInferenceError) as info:
+        FlexInference(
+            policy, None, max_batch_size=2, max_seq_length=256, n_pages=64, page_size=16, fuse_projections=True
+        )
+    assert_one_sentence(str(info.value), "fuse_projections would skip an adapter", "peft_model=")
+
+
 def test_a_long_prompt_gets_the_engines_sentence_and_no_tokenizer_warning(qwen3_engine, capfd, monkeypatch):
     text = "word " * 5000
     monkeypatch.setattr(qwen3_engine.tokenizer, "model_max_length", 64)
