@@ -226,7 +226,8 @@ class FlexInference:
     copy (`refresh_lora()` after every optimizer step); `base_model`, if given, holds those pristine
     weights already (e.g. a trainer's frozen base) so nothing is copied. 4-bit targets (or
     `merge_lora=False`) take the adapter unmerged instead: beside each target, from the engine's own
-    copy of A and B, refreshed in place; the base weights are never written.
+    copy of A and B, refreshed in place (with `fuse_projections`, inside the fused GEMMs); the base
+    weights keep their values.
 
     Zero copy: `model` is the trainer's own PEFT model (its adapter trains) and `peft_model` that
     model. The engine then shares every weight with the trainer and applies the adapter unmerged
