@@ -3556,8 +3556,9 @@ def fuse_decoder_projections(
                 "fuse_projections would skip an adapter the engine was not given: pass its PEFT model as peft_model=",
                 "fuse_projections",
             )
-        if any(layer.fan_in_fan_out for layer in adapters.values() if layer is not None):
-            raise FlexInferenceError("an adapter that stores its weights transposed (fan_in_fan_out) is not supported")
+        for linear, adapter in adapters.items():
+            if adapter is not None:
+                check_unmerged_lora_layout(module_names[linear], adapter)
         groups = [(attn, qkv, "fused_qkv_weight"), (mlp, [mlp.gate_proj, mlp.up_proj], "fused_gate_up_weight")]
         groups += [(linear, [linear], "fused_weight") for linear in (attn.o_proj, mlp.down_proj) if adapters[linear]]
         for owner, group, fused_name in groups:
@@ -3770,8 +3771,7 @@ def attach_unmerged_lora(
         module = modules.get(name)
         if module is None:
             raise FlexInferenceError(f"the adapter targets {name}, which the inference model does not have")
-        if layer.fan_in_fan_out:
-            raise FlexInferenceError(f"{name} stores its weight transposed (fan_in_fan_out): not supported")
+        check_unmerged_lora_layout(name, layer)
         adapter = layer.active_adapters[0]
         lora_A_RI, lora_B_OR = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
         if is_live_adapter:  # views: they keep the storage the graphs read, whatever the trainer reassigns
@@ -3791,6 +3791,12 @@ def attach_unmerged_lora(
         )
         lora_weights[name] = (lora_A_RI, lora_B_OR)
     return lora_weights
+
+
+def check_unmerged_lora_layout(name: str, layer: nn.Module) -> None:
+    """An unmerged adapter multiplies by A and B as they are: one stored transposed is refused."""
+    if layer.fan_in_fan_out:
+        raise FlexInferenceError(f"{name} stores its weight transposed (fan_in_fan_out): not supported")
 
 
 def unmerged_lora_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
