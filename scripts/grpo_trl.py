@@ -456,6 +456,47 @@ class GarbageCollectionTimer:
         gc.callbacks.remove(self._on_collection)
 
 
+class StepPhases:
+    """Where each optimizer step's seconds go, from the trainer's side: `generate_s` is TRL's
+    `_generate_and_score_completions` (the rollout, the rewards and any log-prob pass before training;
+    the step's `rollout_s` is inside it), `optimizer_s` the optimizer step, and `train_s` the rest of
+    the step (the micro batches' forward and backward). Each boundary synchronizes the device, so GPU
+    work is charged to the phase that queued it."""
+
+    def __init__(self, trainer, device: torch.device):
+        self.device = device
+        self.seconds = dict.fromkeys(("generate_s", "optimizer_s", "step_s"), 0.0)
+        self._starts = {}
+        generate = trainer._generate_and_score_completions  # NOTE: TRL's private method, wrapped per instance
+
+        def timed_generate(*args, **kwargs):
+            self.begin("generate_s")
+            output = generate(*args, **kwargs)
+            self.end("generate_s")
+            return output
+
+        trainer._generate_and_score_completions = timed_generate
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def begin(self, phase: str) -> None:
+        self.synchronize()
+        self._starts[phase] = time.perf_counter()
+
+    def end(self, phase: str) -> None:
+        self.synchronize()
+        self.seconds[phase] += time.perf_counter() - self._starts.pop(phase)
+
+    def counts(self) -> dict:
+        """This step's phases in seconds (reset here)."""
+        phases = dict(self.seconds)
+        phases["train_s"] = phases["step_s"] - phases["generate_s"] - phases["optimizer_s"]
+        self.seconds = dict.fromkeys(self.seconds, 0.0)
+        return phases
+
+
 def run(args) -> None:
     from datasets import Dataset
     from peft import LoraConfig, get_peft_model
@@ -548,6 +589,8 @@ def run(args) -> None:
                 torch.cuda.reset_peak_memory_stats(device)
             if isinstance(rollout_func, TimedRollouts):
                 logs.update(rollout_func.counts())
+            if "train_runtime" not in logs:
+                logs.update(phases.counts())
             logs.update(gc_s=gc_timer.seconds, gc_full_collections=float(gc_timer.full_collections))
             label = "total" if "train_runtime" in logs else f"step {state.global_step}"
             metrics = " ".join(f"{key}={value:.4g}" for key, value in logs.items() if isinstance(value, float))
@@ -569,6 +612,19 @@ def run(args) -> None:
                 self.skipped_steps.append(state.global_step + 1)
                 print(f"step {state.global_step + 1}: non-finite gradients, zeroed", flush=True)
 
+    class TimePhases(TrainerCallback):
+        def on_step_begin(self, _args, state, control, **kwargs):
+            phases.begin("step_s")
+
+        def on_pre_optimizer_step(self, _args, state, control, **kwargs):
+            phases.begin("optimizer_s")
+
+        def on_optimizer_step(self, _args, state, control, **kwargs):
+            phases.end("optimizer_s")
+
+        def on_step_end(self, _args, state, control, **kwargs):
+            phases.end("step_s")
+
     gradient_guard = SkipNonFiniteGradients()
     trainer_class = GRPOTrainer
     if args.sampler_correction:
@@ -586,6 +642,8 @@ def run(args) -> None:
     trainer.remove_callback(PrinterCallback)
     trainer.add_callback(PrintMetrics())
     trainer.add_callback(gradient_guard)
+    phases = StepPhases(trainer, device)
+    trainer.add_callback(TimePhases())
     gc_timer = GarbageCollectionTimer()
     try:
         trainer.train()

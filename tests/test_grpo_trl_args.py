@@ -240,3 +240,29 @@ def test_garbage_collection_timer_counts_a_full_collection_and_detaches():
     full_collections = timer.full_collections
     gc.collect(2)
     assert timer.full_collections == full_collections, "a closed timer still counts"
+
+
+def test_step_phases_charge_the_generation_and_the_optimizer_and_leave_the_rest_to_training():
+    """The per-step log's generate_s, optimizer_s, train_s and step_s: TRL's generation is timed through
+    the wrapped method, the rest of the step is training, and each log starts from zero."""
+    import time
+
+    class Trainer:
+        def _generate_and_score_completions(self, batch):
+            time.sleep(0.05)
+            return batch + 1
+
+    trainer = Trainer()
+    phases = grpo_trl.StepPhases(trainer, grpo_trl.torch.device("cpu"))
+    phases.begin("step_s")
+    assert trainer._generate_and_score_completions(1) == 2  # the wrapped method's result passes through
+    time.sleep(0.03)  # forward and backward
+    phases.begin("optimizer_s")
+    time.sleep(0.02)
+    phases.end("optimizer_s")
+    phases.end("step_s")
+    got = phases.counts()
+    assert got["generate_s"] >= 0.05 and got["optimizer_s"] >= 0.02 and got["train_s"] >= 0.03, f"{got=}"
+    assert got["step_s"] == pytest.approx(got["generate_s"] + got["optimizer_s"] + got["train_s"]), f"{got=}"
+    assert got["generate_s"] < got["step_s"] - 0.04, f"the optimizer or training charged to generation: {got=}"
+    assert set(phases.counts().values()) == {0.0}, "a log does not reset the phases"
