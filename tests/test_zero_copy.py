@@ -52,17 +52,8 @@ def shared(request):
     name, is_fused = request.param.split()[0], request.param.endswith("fused")
     path = ensure_trained_checkpoints() / name
     tokenizer = AutoTokenizer.from_pretrained(path)
-    lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"], lora_dropout=0.0)
-    torch.manual_seed(0)
-    policy, twin = get_peft_model(load(name, path), lora), get_peft_model(load(name, path), lora)
-    for param_name, param in policy.named_parameters():
-        if "lora_B" in param_name:  # PEFT starts B at zero: the adapter would change nothing
-            torch.nn.init.normal_(param, std=0.05)
+    policy, twin = trainer_policy(name, path), trainer_policy(name, path)
     twin.load_state_dict(policy.state_dict())
-    for model in (policy, twin):  # as TRL's GRPOTrainer leaves them by default
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
-        model.train()
     engine_class = FlexGemma4Inference if name == "gemma4" else FlexInference
     engine = engine_class(policy, tokenizer, peft_model=policy, fuse_projections=is_fused, **LIMITS)
     input_ids_1T = torch.tensor([tokenizer("def add(a, b):\n    return a + b\n")["input_ids"]])
@@ -70,6 +61,21 @@ def shared(request):
     return dict(
         name=request.param, policy=policy, twin=twin, engine=engine, input_ids=input_ids_1T, prompt_ids=prompt_ids
     )
+
+
+def trainer_policy(name: str, path):
+    """A PEFT model as the trainer holds it: dropout 0, B nonzero (seeded), train mode with gradient
+    checkpointing and the input grad hook on, as TRL's GRPOTrainer leaves it by default."""
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"], lora_dropout=0.0)
+    torch.manual_seed(0)
+    policy = get_peft_model(load(name, path), lora)
+    for param_name, param in policy.named_parameters():
+        if "lora_B" in param_name:  # PEFT starts B at zero: the adapter would change nothing
+            torch.nn.init.normal_(param, std=0.05)
+    policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    policy.enable_input_require_grads()
+    policy.train()
+    return policy
 
 
 def test_the_engine_shares_every_weight_and_patches_nothing_outside_its_calls(shared):
@@ -142,6 +148,34 @@ def test_greedy_tokens_follow_optimizer_steps_with_no_refresh(shared):
         policy.train()
     assert after != before, f"{shared['name']}: two optimizer steps changed no greedy token: the test proves nothing"
     assert sha256_of(base_layers) == base_before, "the frozen base changed"
+
+
+def test_compiled_fused_zero_copy_follows_optimizer_steps_without_compiling_again():
+    """The compiled decode step in fused zero copy: the adapter copied into the fused GEMMs at each
+    call is data, not a guard, so a generate after optimizer steps compiles nothing new (a recompile
+    there would cost every GRPO step) and its greedy tokens are HF + PEFT's with the stepped adapter."""
+    from conftest import compiled_decode_regions
+
+    path = ensure_trained_checkpoints() / "qwen3"
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    policy = trainer_policy("qwen3", path)
+    engine = FlexInference(
+        policy, tokenizer, peft_model=policy, fuse_projections=True, compile_decode=True, **LIMITS
+    )  # fmt: skip
+    prompt_ids = [tokenizer(prompt)["input_ids"] for prompt in PROMPTS]
+    greedy = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS)
+    before = [seq.output_ids for seq in engine.generate(prompt_ids, greedy)]
+    compiled_before = compiled_decode_regions()
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=0.05)
+    input_ids_1T = torch.tensor([tokenizer("def add(a, b):\n    return a + b\n")["input_ids"]])
+    for _ in range(2):
+        loss_and_grads(policy, input_ids_1T)
+        optimizer.step()
+    after = [seq.output_ids for seq in engine.generate(prompt_ids, greedy)]
+    assert compiled_decode_regions() == compiled_before, "a generate after optimizer steps compiled again"
+    policy.eval()
+    assert after == hf_greedy(policy, prompt_ids, GREEDY_TOKENS, engine.end_ids)
+    assert after != before, "two optimizer steps changed no greedy token: the test proves nothing"
 
 
 def test_a_replaced_adapter_weight_is_read_again_at_the_next_sync(shared):
