@@ -1,6 +1,7 @@
 """GRPO with TRL's GRPOTrainer, its rollouts on this engine (`make_trl_rollout_func`) or on TRL's
 own generation (`--backend hf`): a LoRA adapter, a reward, a few steps, TRL's metrics printed one
-line per step.
+line per step, with where the step's time went (`generate_s`, the engine's `rollout_s` inside it,
+`train_s`, `optimizer_s`, `step_s`; Python's garbage collection in `gc_s`) and its peak memory.
 
     python -m scripts.grpo_trl                          # the trained CI-size Qwen3 on the CPU
     python -m scripts.grpo_trl --model_name checkpoints/trained_gpu/gemma4 --device cuda --capture_cudagraph
