@@ -46,6 +46,7 @@ if __name__ == "__main__" and importlib.util.find_spec("qwen3_flex_inference") i
     )
 
 import torch
+from transformers import TrainerCallback
 
 from qwen3_flex_inference import (
     SKINNY_CHOICES,
@@ -457,12 +458,12 @@ class GarbageCollectionTimer:
         gc.callbacks.remove(self._on_collection)
 
 
-class StepPhases:
+class StepPhases(TrainerCallback):
     """Where each optimizer step's seconds go, from the trainer's side: `generate_s` is TRL's
     `_generate_and_score_completions` (the rollout, the rewards and any log-prob pass before training;
     the step's `rollout_s` is inside it), `optimizer_s` the optimizer step, and `train_s` the rest of
     the step (the micro batches' forward and backward). Each boundary synchronizes the device, so GPU
-    work is charged to the phase that queued it."""
+    work is charged to the phase that queued it. Add it to the trainer's callbacks."""
 
     def __init__(self, trainer, device: torch.device):
         self.device = device
@@ -497,11 +498,23 @@ class StepPhases:
         self.seconds = dict.fromkeys(self.seconds, 0.0)
         return phases
 
+    def on_step_begin(self, _args, state, control, **kwargs):
+        self.begin("step_s")
+
+    def on_pre_optimizer_step(self, _args, state, control, **kwargs):
+        self.begin("optimizer_s")
+
+    def on_optimizer_step(self, _args, state, control, **kwargs):
+        self.end("optimizer_s")
+
+    def on_step_end(self, _args, state, control, **kwargs):
+        self.end("step_s")
+
 
 def run(args) -> None:
     from datasets import Dataset
     from peft import LoraConfig, get_peft_model
-    from transformers import PrinterCallback, TrainerCallback
+    from transformers import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
     start = time.perf_counter()  # the steps' wall_s counts from here: loading and the engine's start-up included
@@ -613,19 +626,6 @@ def run(args) -> None:
                 self.skipped_steps.append(state.global_step + 1)
                 print(f"step {state.global_step + 1}: non-finite gradients, zeroed", flush=True)
 
-    class TimePhases(TrainerCallback):
-        def on_step_begin(self, _args, state, control, **kwargs):
-            phases.begin("step_s")
-
-        def on_pre_optimizer_step(self, _args, state, control, **kwargs):
-            phases.begin("optimizer_s")
-
-        def on_optimizer_step(self, _args, state, control, **kwargs):
-            phases.end("optimizer_s")
-
-        def on_step_end(self, _args, state, control, **kwargs):
-            phases.end("step_s")
-
     gradient_guard = SkipNonFiniteGradients()
     trainer_class = GRPOTrainer
     if args.sampler_correction:
@@ -644,7 +644,7 @@ def run(args) -> None:
     trainer.add_callback(PrintMetrics())
     trainer.add_callback(gradient_guard)
     phases = StepPhases(trainer, device)
-    trainer.add_callback(TimePhases())
+    trainer.add_callback(phases)
     gc_timer = GarbageCollectionTimer()
     try:
         trainer.train()

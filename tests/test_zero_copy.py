@@ -17,6 +17,7 @@ from scripts.train_checkpoints import ensure_trained_checkpoints
 
 PROMPTS = ["def add(a, b):", "class Stack:\n    def push(self, item):", "import os\n\n\ndef walk(root):"]
 GREEDY_TOKENS = 16
+TRAINING_TEXT = "def add(a, b):\n    return a + b\n"  # the trainer's one training sequence
 # tests/test_trl.py's limits: the compiled kernels serve both
 LIMITS = dict(max_batch_size=64, max_seq_length=1024, n_pages=None, page_size=16)
 
@@ -32,6 +33,14 @@ def loss_and_grads(model, input_ids_1T: torch.Tensor) -> tuple[torch.Tensor, dic
     loss = model(input_ids=input_ids_1T, labels=input_ids_1T).loss
     loss.backward()
     return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def take_optimizer_steps(policy, input_ids_1T: torch.Tensor, num_steps: int = 2) -> None:
+    """AdamW steps of the adapter on one sequence, as a trainer takes them between rollouts."""
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=0.05)
+    for _ in range(num_steps):
+        loss_and_grads(policy, input_ids_1T)
+        optimizer.step()
 
 
 def assert_same_training(model, twin, input_ids_1T, when: str) -> None:
@@ -56,7 +65,7 @@ def shared(request):
     twin.load_state_dict(policy.state_dict())
     engine_class = FlexGemma4Inference if name == "gemma4" else FlexInference
     engine = engine_class(policy, tokenizer, peft_model=policy, fuse_projections=is_fused, **LIMITS)
-    input_ids_1T = torch.tensor([tokenizer("def add(a, b):\n    return a + b\n")["input_ids"]])
+    input_ids_1T = torch.tensor([tokenizer(TRAINING_TEXT)["input_ids"]])
     prompt_ids = [tokenizer(prompt)["input_ids"] for prompt in PROMPTS]
     return dict(
         name=request.param, policy=policy, twin=twin, engine=engine, input_ids=input_ids_1T, prompt_ids=prompt_ids
@@ -136,10 +145,7 @@ def test_greedy_tokens_follow_optimizer_steps_with_no_refresh(shared):
     base_before = sha256_of(base_layers)
     greedy = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS)
     before = [seq.output_ids for seq in engine.generate(prompt_ids, greedy)]
-    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=0.05)
-    for _ in range(2):
-        loss_and_grads(policy, shared["input_ids"])
-        optimizer.step()
+    take_optimizer_steps(policy, shared["input_ids"])
     after = [seq.output_ids for seq in engine.generate(prompt_ids, greedy)]
     policy.eval()  # HF generate with its cache: not under gradient checkpointing
     try:
@@ -159,18 +165,12 @@ def test_compiled_fused_zero_copy_follows_optimizer_steps_without_compiling_agai
     path = ensure_trained_checkpoints() / "qwen3"
     tokenizer = AutoTokenizer.from_pretrained(path)
     policy = trainer_policy("qwen3", path)
-    engine = FlexInference(
-        policy, tokenizer, peft_model=policy, fuse_projections=True, compile_decode=True, **LIMITS
-    )  # fmt: skip
+    engine = FlexInference(policy, tokenizer, peft_model=policy, fuse_projections=True, compile_decode=True, **LIMITS)
     prompt_ids = [tokenizer(prompt)["input_ids"] for prompt in PROMPTS]
     greedy = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS)
     before = [seq.output_ids for seq in engine.generate(prompt_ids, greedy)]
     compiled_before = compiled_decode_regions()
-    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=0.05)
-    input_ids_1T = torch.tensor([tokenizer("def add(a, b):\n    return a + b\n")["input_ids"]])
-    for _ in range(2):
-        loss_and_grads(policy, input_ids_1T)
-        optimizer.step()
+    take_optimizer_steps(policy, torch.tensor([tokenizer(TRAINING_TEXT)["input_ids"]]))
     after = [seq.output_ids for seq in engine.generate(prompt_ids, greedy)]
     assert compiled_decode_regions() == compiled_before, "a generate after optimizer steps compiled again"
     policy.eval()
