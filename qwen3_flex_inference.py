@@ -3522,7 +3522,10 @@ def project(owner: nn.Module, linears: list[nn.Module], fused_name: str, x: torc
     lora_B_OR = getattr(owner, fused_name + "_lora_B", None)  # [sum of outputs, sum of ranks]
     if lora_B_OR is not None:
         base_out, lora_hidden = out.split(list(lora_B_OR.shape), dim=-1)
-        lora_out = nn.functional.linear(lora_hidden, lora_B_OR) * getattr(owner, fused_name + "_lora_scaling")
+        # NOTE: as rows [tokens, ranks]: compiled with a symbolic batch, a 3-D product of this strided slice
+        # becomes a batched GEMM of one row per batch entry (B read again for every row), a 2-D one one GEMM.
+        lora_out = nn.functional.linear(lora_hidden.flatten(0, -2), lora_B_OR).view(base_out.shape)
+        lora_out = lora_out * getattr(owner, fused_name + "_lora_scaling")
         out = (base_out + lora_out).to(base_out.dtype)
     return list(out.split(getattr(owner, fused_name + "_sizes"), dim=-1))
 

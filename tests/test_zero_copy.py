@@ -178,6 +178,41 @@ def test_compiled_fused_zero_copy_follows_optimizer_steps_without_compiling_agai
     assert after != before, "two optimizer steps changed no greedy token: the test proves nothing"
 
 
+def test_a_fused_groups_adapter_product_compiles_to_one_gemm_for_a_symbolic_batch():
+    """Compiled as the decode step is (its batch symbolic), the B product of a fused group's adapter
+    is one GEMM over the rows, not a batched GEMM of one row per batch entry (which reads B again for
+    every row), and it equals base + (x A^T) B^T x scaling, split into the group's outputs."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    from qwen3_flex_inference import project
+
+    torch.manual_seed(0)
+    hidden, sizes, rank = 32, [24, 8, 8], 6
+    owner = torch.nn.Module()
+    owner.fused_weight = torch.randn(sum(sizes) + rank, hidden)  # the A rows below the weights
+    owner.fused_weight_sizes = sizes
+    owner.fused_weight_lora_B = torch.randn(sum(sizes), rank)
+    owner.fused_weight_lora_scaling = torch.full((sum(sizes),), 2.0)
+    graphs = []
+
+    def keep_graph(graph_module, _inputs):
+        graphs.append(graph_module.graph)
+        return graph_module.forward
+
+    compiled = torch.compile(
+        lambda x: project(owner, [], "fused_weight", x), backend=aot_autograd(fw_compiler=keep_graph), fullgraph=True
+    )
+    hidden_B1H = torch.randn(5, 1, hidden)
+    torch._dynamo.mark_dynamic(hidden_B1H, 0)
+    with torch.no_grad():
+        outputs = compiled(hidden_B1H)
+    weight, lora_A = owner.fused_weight[: sum(sizes)], owner.fused_weight[sum(sizes) :]
+    expected = hidden_B1H @ weight.T + (hidden_B1H @ lora_A.T) @ owner.fused_weight_lora_B.T * 2.0
+    torch.testing.assert_close(torch.cat(outputs, -1), expected)
+    ops = {node.target for graph in graphs for node in graph.nodes}
+    assert torch.ops.aten.bmm.default not in ops and torch.ops.aten.mm.default in ops, sorted(map(str, ops))
+
+
 def test_a_replaced_adapter_weight_is_read_again_at_the_next_sync(shared):
     """A trainer that replaces the adapter's tensors (TRL casts a 4-bit model's adapter to bf16 when it
     starts) rather than updating them in place: refresh_lora (the TRL sync) points the engine at the
