@@ -462,13 +462,18 @@ class StepPhases(TrainerCallback):
     """Where each optimizer step's seconds go, from the trainer's side: `generate_s` is TRL's
     `_generate_and_score_completions` (the rollout, the rewards and any log-prob pass before training;
     the step's `rollout_s` is inside it), `optimizer_s` the optimizer step, and `train_s` the rest of
-    the step (the micro batches' forward and backward). Each boundary synchronizes the device, so GPU
-    work is charged to the phase that queued it. Add it to the trainer's callbacks."""
+    the step (the micro batches' forward and backward); `micro_batch_min_s` and `micro_batch_max_s` are
+    its fastest and slowest micro batch (generation taken out of the first, gradient clipping in the
+    last), so a slow step shows whether one micro batch or all of them slowed. Each boundary
+    synchronizes the device, so GPU work is charged to the phase that queued it. Add it to the
+    trainer's callbacks."""
 
     def __init__(self, trainer, device: torch.device):
         self.device = device
         self.seconds = dict.fromkeys(("generate_s", "optimizer_s", "step_s"), 0.0)
         self._starts = {}
+        self.micro_batch_s: list[float] = []
+        self._micro_batch_start = self._micro_batch_generate_s = 0.0  # when it began, generate_s then
         generate = trainer._generate_and_score_completions  # NOTE: TRL's private method, wrapped per instance
 
         def timed_generate(*args, **kwargs):
@@ -491,17 +496,34 @@ class StepPhases(TrainerCallback):
         self.synchronize()
         self.seconds[phase] += time.perf_counter() - self._starts.pop(phase)
 
+    def micro_batch_begins(self) -> None:
+        self._micro_batch_start, self._micro_batch_generate_s = time.perf_counter(), self.seconds["generate_s"]
+
+    def micro_batch_ends(self) -> None:
+        self.synchronize()
+        generated_s = self.seconds["generate_s"] - self._micro_batch_generate_s
+        self.micro_batch_s.append(time.perf_counter() - self._micro_batch_start - generated_s)
+        self.micro_batch_begins()
+
     def counts(self) -> dict:
         """This step's phases in seconds (reset here)."""
         phases = dict(self.seconds)
         phases["train_s"] = phases["step_s"] - phases["generate_s"] - phases["optimizer_s"]
+        if self.micro_batch_s:
+            phases.update(micro_batch_min_s=min(self.micro_batch_s), micro_batch_max_s=max(self.micro_batch_s))
         self.seconds = dict.fromkeys(self.seconds, 0.0)
+        self.micro_batch_s = []
         return phases
 
     def on_step_begin(self, _args, state, control, **kwargs):
         self.begin("step_s")
+        self.micro_batch_begins()
+
+    def on_substep_end(self, _args, state, control, **kwargs):
+        self.micro_batch_ends()
 
     def on_pre_optimizer_step(self, _args, state, control, **kwargs):
+        self.micro_batch_ends()
         self.begin("optimizer_s")
 
     def on_optimizer_step(self, _args, state, control, **kwargs):

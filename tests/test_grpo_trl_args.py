@@ -244,7 +244,8 @@ def test_garbage_collection_timer_counts_a_full_collection_and_detaches():
 
 def test_step_phases_charge_the_generation_and_the_optimizer_and_leave_the_rest_to_training():
     """The per-step log's generate_s, optimizer_s, train_s and step_s: TRL's generation is timed through
-    the wrapped method, the rest of the step is training, and each log starts from zero."""
+    the wrapped method, the rest of the step is training, split into micro batches (the fastest and
+    slowest, generation taken out), and each log starts from zero."""
     import time
 
     class Trainer:
@@ -254,15 +255,20 @@ def test_step_phases_charge_the_generation_and_the_optimizer_and_leave_the_rest_
 
     trainer = Trainer()
     phases = grpo_trl.StepPhases(trainer, grpo_trl.torch.device("cpu"))
-    phases.begin("step_s")
+    phases.on_step_begin(None, None, None)
     assert trainer._generate_and_score_completions(1) == 2  # the wrapped method's result passes through
-    time.sleep(0.03)  # forward and backward
-    phases.begin("optimizer_s")
+    time.sleep(0.01)  # the first micro batch's forward and backward
+    phases.on_substep_end(None, None, None)
+    time.sleep(0.03)  # the second's
+    phases.on_pre_optimizer_step(None, None, None)
     time.sleep(0.02)
-    phases.end("optimizer_s")
-    phases.end("step_s")
+    phases.on_optimizer_step(None, None, None)
+    phases.on_step_end(None, None, None)
     got = phases.counts()
-    assert got["generate_s"] >= 0.05 and got["optimizer_s"] >= 0.02 and got["train_s"] >= 0.03, f"{got=}"
+    assert got["generate_s"] >= 0.05 and got["optimizer_s"] >= 0.02 and got["train_s"] >= 0.04, f"{got=}"
     assert got["step_s"] == pytest.approx(got["generate_s"] + got["optimizer_s"] + got["train_s"]), f"{got=}"
-    assert got["generate_s"] < got["step_s"] - 0.04, f"the optimizer or training charged to generation: {got=}"
+    assert got["generate_s"] < got["step_s"] - 0.05, f"the optimizer or training charged to generation: {got=}"
+    assert 0.01 <= got["micro_batch_min_s"] < 0.03 <= got["micro_batch_max_s"] < 0.05, (
+        f"generation in a micro batch: {got=}"
+    )
     assert set(phases.counts().values()) == {0.0}, "a log does not reset the phases"
