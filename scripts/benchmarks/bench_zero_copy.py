@@ -31,7 +31,7 @@ if __name__ == "__main__" and importlib.util.find_spec("qwen3_flex_inference") i
 import torch
 
 from qwen3_flex_inference import SamplingParams, awake_while_generating, load_config
-from scripts.benchmarks.profile_decode import decode_kernel_table
+from scripts.benchmarks.profile_decode import decode_kernel_table, print_kernel_table
 from scripts.grpo_trl import LORA_TARGETS, engine_page_size, load_model
 
 
@@ -133,10 +133,7 @@ def main() -> int:
         print(f"== {mode}", flush=True)
         engine = build_engine(mode, policy, args, device, dtype, is_gemma)
         results[mode] = measure(engine, prompts, params, args, device)
-        for cls, row in sorted(results[mode]["kernel_classes"].items(), key=lambda item: -item[1]["us_per_step"]):
-            print(f"{row['us_per_step']:9.1f} us  {row['calls_per_step']:6.1f}x  class: {cls}")
-        for row in results[mode]["top_kernels"]:
-            print(f"{row['us_per_step']:9.1f} us  {row['calls_per_step']:6.1f}x  {row['kernel']}")
+        print_kernel_table(results[mode]["kernel_classes"], results[mode]["top_kernels"])
         if engine.runner.kv_memory.is_sleep_mode:
             engine.wake_up()  # its pool mapped again, so the engine can go
         del engine

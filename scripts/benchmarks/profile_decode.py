@@ -120,6 +120,14 @@ def decode_kernel_table(engine, prompts, num_steps: int, top: int = 25) -> tuple
     return rows[:top], classes
 
 
+def print_kernel_table(classes: dict, table: list[dict]) -> None:
+    """`decode_kernel_table`'s classes (largest first), then its top kernels, in us and calls a step."""
+    for cls, row in sorted(classes.items(), key=lambda item: -item[1]["us_per_step"]):
+        print(f"{row['us_per_step']:9.1f} us  {row['calls_per_step']:6.1f}x  class: {cls}")
+    for row in table:
+        print(f"{row['us_per_step']:9.1f} us  {row['calls_per_step']:6.1f}x  {row['kernel']}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="unsloth__gemma-4-E2B-it", help="model preset under scripts/presets")
@@ -164,10 +172,7 @@ def main() -> int:
             f"first generate (compiles) {first_generate_s:.1f} s, "
             f"capture {capture_s:.1f} s; top kernels (eager steps, us/step):"
         )
-        for cls, row in sorted(classes.items(), key=lambda item: -item[1]["us_per_step"]):
-            print(f"{row['us_per_step']:9.1f} us  {row['calls_per_step']:6.1f}x  class: {cls}")
-        for row in table:
-            print(f"{row['us_per_step']:9.1f} us  {row['calls_per_step']:6.1f}x  {row['kernel']}")
+        print_kernel_table(classes, table)
         del engine
         torch.cuda.empty_cache()
     if args.out:
