@@ -47,7 +47,8 @@
 #                      the trainer's own model (zero copy, compiled step + CUDA graphs, KV pool asleep between rollouts; with
 #                      fused projections, and without), on a copy of its own (fused projections, merged adapter) and TRL's
 #                      own generation: step time and each step's peak memory (~10 min; $ZERO_COPY_RUNS picks among
-#                      zero_copy_fused zero_copy copy hf; $ZERO_COPY_ARGS adds grpo_trl flags to all)
+#                      zero_copy_fused zero_copy copy hf, and bench: bench_zero_copy.py's split of one rollout, zero
+#                      copy fused against the copy, about 3 min; $ZERO_COPY_ARGS adds grpo_trl flags to all)
 # fourbit:             the 4-bit GPU test (tiny Qwen3, Llama, Gemma-4: float32-compute NF4 + unmerged LoRA = HF + PEFT,
 #                      eager and compiled under CUDA graphs), then E2B in NF4 (bf16 compute), compiled step + CUDA graphs,
 #                      batch 1 and 64, without and with a rank-16 LoRA adapter, with kernel profiles; carry .whl/bnb (~7 min)
@@ -193,6 +194,11 @@ run() {  # run NAME CMD...: logs the command, its status and its time
         grpo="--device cuda --dtype bfloat16 --num_prompts 8 --num_generations 8 --max_completion_length 256 --steps ${ZERO_COPY_STEPS:-4} ${ZERO_COPY_ARGS:-}"
         e2b="--model_name unsloth/gemma-4-E2B-it --load_format dummy --tokenizer $tiny/gemma4 --lora_r ${LORA_R:-16}"
         for kind in ${ZERO_COPY_RUNS:-zero_copy_fused zero_copy copy hf}; do
+          if [ "$kind" = bench ]; then
+            run zero_copy_bench_r${LORA_R:-16} $PY -m scripts.benchmarks.bench_zero_copy --lora_r ${LORA_R:-16} \
+              --out "$OUT/zero_copy_bench_r${LORA_R:-16}.json"
+            continue
+          fi
           case $kind in
             zero_copy) options="--capture_cudagraph --compile_decode --engine_weights shared --enable_sleep_mode" ;;
             zero_copy_fused) options="$fastest --engine_weights shared --enable_sleep_mode" ;;
