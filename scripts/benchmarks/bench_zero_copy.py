@@ -30,7 +30,7 @@ if __name__ == "__main__" and importlib.util.find_spec("qwen3_flex_inference") i
 
 import torch
 
-from qwen3_flex_inference import SamplingParams, awake_while_generating, load_config
+from qwen3_flex_inference import FlexInference, SamplingParams, awake_while_generating, load_config
 from scripts.benchmarks.profile_decode import decode_kernel_table, print_kernel_table
 from scripts.grpo_trl import LORA_TARGETS, engine_page_size, load_model
 
@@ -54,7 +54,7 @@ def build_engine(mode: str, policy, args, device: torch.device, dtype: torch.dty
     if is_gemma:
         from gemma4_flex_inference import FlexGemma4Inference as engine_class
     else:
-        from qwen3_flex_inference import FlexInference as engine_class
+        engine_class = FlexInference
     is_zero_copy = mode == "zero_copy"
     page_size = engine_page_size(device)
     return engine_class(
