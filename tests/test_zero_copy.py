@@ -156,16 +156,18 @@ def test_greedy_tokens_follow_optimizer_steps_with_no_refresh(shared):
     assert sha256_of(base_layers) == base_before, "the frozen base changed"
 
 
-def test_compiled_fused_zero_copy_follows_optimizer_steps_without_compiling_again():
+@pytest.mark.parametrize("name", ["qwen3", "gemma4"])
+def test_compiled_fused_zero_copy_follows_optimizer_steps_without_compiling_again(name):
     """The compiled decode step in fused zero copy: the adapter copied into the fused GEMMs at each
     call is data, not a guard, so a generate after optimizer steps compiles nothing new (a recompile
     there would cost every GRPO step) and its greedy tokens are HF + PEFT's with the stepped adapter."""
     from conftest import compiled_decode_regions
 
-    path = ensure_trained_checkpoints() / "qwen3"
+    path = ensure_trained_checkpoints() / name
     tokenizer = AutoTokenizer.from_pretrained(path)
-    policy = trainer_policy("qwen3", path)
-    engine = FlexInference(policy, tokenizer, peft_model=policy, fuse_projections=True, compile_decode=True, **LIMITS)
+    policy = trainer_policy(name, path)
+    engine_class = FlexGemma4Inference if name == "gemma4" else FlexInference
+    engine = engine_class(policy, tokenizer, peft_model=policy, fuse_projections=True, compile_decode=True, **LIMITS)
     prompt_ids = [tokenizer(prompt)["input_ids"] for prompt in PROMPTS]
     greedy = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS)
     before = [seq.output_ids for seq in engine.generate(prompt_ids, greedy)]
