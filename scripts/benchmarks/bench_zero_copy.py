@@ -1,6 +1,6 @@
 """Where a TRL-shaped rollout's time goes, zero copy against the engine's own copy: waking the KV
 pool, the engine call's adapter copy-in, prefill, decode by graph bucket, sleeping; and the GPU time
-per kernel class of a compiled decode step (no graph, so each kernel shows).
+per kernel class of a compiled decode step (no graph, so each kernel shows), and its GEMMs by shape.
 
 The policy is what `scripts/grpo_trl.py` trains: the model from its preset (random weights) with a
 PEFT LoRA on every projection, in training mode. Zero copy builds the engine on it (sleep mode);
@@ -31,7 +31,7 @@ if __name__ == "__main__" and importlib.util.find_spec("qwen3_flex_inference") i
 import torch
 
 from qwen3_flex_inference import FlexInference, SamplingParams, awake_while_generating, load_config
-from scripts.benchmarks.profile_decode import decode_kernel_table, print_kernel_table
+from scripts.benchmarks.profile_decode import decode_gemm_table, decode_kernel_table, print_kernel_table
 from scripts.grpo_trl import LORA_TARGETS, engine_page_size, load_model
 
 
@@ -73,7 +73,7 @@ def build_engine(mode: str, policy, args, device: torch.device, dtype: torch.dty
 
 def measure(engine, prompts: list, params: SamplingParams, args, device: torch.device) -> dict:
     """Warm-up rollouts (compile, capture), then `--repeats` timed ones, each split into its parts;
-    then the compiled step's kernels at the rollout's batch size."""
+    then the compiled step's kernels and GEMMs by shape at the rollout's batch size."""
     use_graph = device.type == "cuda"
     for _ in range(2):
         with awake_while_generating(engine):
@@ -90,12 +90,13 @@ def measure(engine, prompts: list, params: SamplingParams, args, device: torch.d
         run.update({key: engine.timings[key] for key in ("prefill_s", "decode_s", "decode_by_bucket")})
         runs.append(run)
         print(json.dumps(run), flush=True)
-    if device.type != "cuda":
-        return dict(runs=runs, kernel_classes={}, top_kernels=[])
+    rows = [prompt for prompt in prompts for _ in range(params.n)]
     with awake_while_generating(engine):
-        rows = [prompt for prompt in prompts for _ in range(params.n)]
+        gemms = decode_gemm_table(engine, rows, num_steps=16)
+        if device.type != "cuda":
+            return dict(runs=runs, kernel_classes={}, top_kernels=[], gemms=gemms)
         table, classes = decode_kernel_table(engine, rows, num_steps=16)
-    return dict(runs=runs, kernel_classes=classes, top_kernels=table)
+    return dict(runs=runs, kernel_classes=classes, top_kernels=table, gemms=gemms)
 
 
 def main() -> int:
@@ -110,7 +111,11 @@ def main() -> int:
     parser.add_argument("--max_new_tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3, help="timed rollouts per mode")
     parser.add_argument("--modes", nargs="+", default=["zero_copy", "copy"], choices=["zero_copy", "copy"])
-    parser.add_argument("--device", default="cuda", help="cuda (bf16), or cpu (float32: a smoke run, no kernel table)")
+    parser.add_argument(
+        "--device",
+        default="cuda",
+        help="cuda (bf16), or cpu (float32: a smoke run, GEMMs in CPU time, no kernel table)",
+    )
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
     from peft import LoraConfig, get_peft_model
@@ -133,7 +138,7 @@ def main() -> int:
         print(f"== {mode}", flush=True)
         engine = build_engine(mode, policy, args, device, dtype, is_gemma)
         results[mode] = measure(engine, prompts, params, args, device)
-        print_kernel_table(results[mode]["kernel_classes"], results[mode]["top_kernels"])
+        print_kernel_table(results[mode]["kernel_classes"], results[mode]["top_kernels"], results[mode]["gemms"])
         if engine.runner.kv_memory.is_sleep_mode:
             engine.wake_up()  # its pool mapped again, so the engine can go
         del engine

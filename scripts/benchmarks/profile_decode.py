@@ -82,20 +82,41 @@ def kernel_times(engine, prompts, new_tokens: int) -> dict[str, list[float]]:
     return times
 
 
-def decode_kernel_table(engine, prompts, num_steps: int, top: int = 25) -> tuple[list[dict], dict]:
-    """The top kernels of a decode step and its GPU time per kernel class, in us per step: a
-    generate of num_steps + 1 tokens minus one of 1 token (the prefill). Every prompt is prefilled
-    at once, so that each of the num_steps decode steps runs the whole batch (with the engine's
-    prefill budget, a large batch would start decoding while later prompts still prefill).
-    Launched as the decode graphs launch them (programmatic_launch_settings): a kernel launched
-    early then counts its wait for the previous one, so the classes' sum covers most of the gaps."""
+# the GEMM ops a decode step dispatches (a compiled step's extern GEMMs and its skinny_linear calls)
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "flex_inference::skinny_linear")
+
+
+def gemm_times(engine, prompts, new_tokens: int) -> dict[str, list[float]]:
+    """Time (us: the GPU's on CUDA, else the CPU's) and calls of each GEMM op by its input shapes
+    over one generate call. An op's GPU time is its kernels', so a skinny_linear row counts the
+    Triton kernel or the cuBLAS mm it called, and that mm shows again in its own row."""
+    is_cuda = engine.runner.device.type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if is_cuda else [])
+    with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
+        engine.generate([Sequence(input_ids=p, max_new_tokens=new_tokens) for p in prompts])
+        if is_cuda:
+            torch.cuda.synchronize()
+    times = {}
+    for event in prof.key_averages(group_by_input_shape=True):
+        if event.key in GEMM_OPS:
+            us = event.device_time_total if is_cuda else event.cpu_time_total
+            times[f"{event.key} {event.input_shapes}"] = [us, event.count]
+    return times
+
+
+def per_decode_step(engine, prompts, num_steps: int, times) -> list[dict]:
+    """`times(engine, prompts, new_tokens)` of a generate of num_steps + 1 tokens minus one of 1
+    token (the prefill), per decode step and largest first: rows of name, calls_per_step, us_per_step.
+    Every prompt is prefilled at once, so that each of the num_steps decode steps runs the whole
+    batch (with the engine's prefill budget, a large batch would start decoding while later prompts
+    still prefill)."""
     scheduler = engine.scheduler
     prefill_budget = scheduler.max_prefill_tokens
     scheduler.max_prefill_tokens = max(prefill_budget, sum(len(p) for p in prompts))
     try:
         with programmatic_launch_settings():
-            prefill = kernel_times(engine, prompts, 1)
-            decode = kernel_times(engine, prompts, num_steps + 1)
+            prefill = times(engine, prompts, 1)
+            decode = times(engine, prompts, num_steps + 1)
     finally:
         scheduler.max_prefill_tokens = prefill_budget
     rows = []
@@ -104,14 +125,34 @@ def decode_kernel_table(engine, prompts, num_steps: int, top: int = 25) -> tuple
         if count > prefill_count:
             rows.append(
                 {
-                    "kernel": name,
+                    "name": name,
                     "calls_per_step": (count - prefill_count) / num_steps,
                     "us_per_step": (us - prefill_us) / num_steps,
                 }
             )
-    rows.sort(key=lambda r: -r["us_per_step"])
-    for row in rows:
-        row["kernel"] = row["kernel"][:110]
+    return sorted(rows, key=lambda r: -r["us_per_step"])
+
+
+def decode_gemm_table(engine, prompts, num_steps: int, top: int = 40) -> list[dict]:
+    """The GEMMs of a decode step by op and input shapes, in us and calls per step (`gemm_times`):
+    which shape a slow kernel of `decode_kernel_table` runs. Launched as the decode graphs launch them."""
+    return [
+        {"gemm": row["name"], "calls_per_step": row["calls_per_step"], "us_per_step": row["us_per_step"]}
+        for row in per_decode_step(engine, prompts, num_steps, gemm_times)[:top]
+    ]
+
+
+def decode_kernel_table(engine, prompts, num_steps: int, top: int = 25) -> tuple[list[dict], dict]:
+    """The top kernels of a decode step and its GPU time per kernel class, in us per step: a
+    generate of num_steps + 1 tokens minus one of 1 token (the prefill). Every prompt is prefilled
+    at once, so that each of the num_steps decode steps runs the whole batch (with the engine's
+    prefill budget, a large batch would start decoding while later prompts still prefill).
+    Launched as the decode graphs launch them (programmatic_launch_settings): a kernel launched
+    early then counts its wait for the previous one, so the classes' sum covers most of the gaps."""
+    rows = [
+        {"kernel": row["name"][:110], "calls_per_step": row["calls_per_step"], "us_per_step": row["us_per_step"]}
+        for row in per_decode_step(engine, prompts, num_steps, kernel_times)
+    ]
     classes = {}
     for row in rows:
         cls = classes.setdefault(kernel_class(row["kernel"]), {"us_per_step": 0.0, "calls_per_step": 0.0})
@@ -120,12 +161,13 @@ def decode_kernel_table(engine, prompts, num_steps: int, top: int = 25) -> tuple
     return rows[:top], classes
 
 
-def print_kernel_table(classes: dict, table: list[dict]) -> None:
-    """`decode_kernel_table`'s classes (largest first), then its top kernels, in us and calls a step."""
+def print_kernel_table(classes: dict, table: list[dict], gemms: list[dict] = ()) -> None:
+    """`decode_kernel_table`'s classes (largest first), then its top kernels, then `decode_gemm_table`'s
+    GEMMs by shape, in us and calls a step."""
     for cls, row in sorted(classes.items(), key=lambda item: -item[1]["us_per_step"]):
         print(f"{row['us_per_step']:9.1f} us  {row['calls_per_step']:6.1f}x  class: {cls}")
-    for row in table:
-        print(f"{row['us_per_step']:9.1f} us  {row['calls_per_step']:6.1f}x  {row['kernel']}")
+    for row in [*table, *gemms]:
+        print(f"{row['us_per_step']:9.1f} us  {row['calls_per_step']:6.1f}x  {row.get('kernel') or row['gemm']}")
 
 
 def main() -> int:
