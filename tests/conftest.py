@@ -1,5 +1,6 @@
 """Shared fixtures: the tiny checkpoints (built once per machine) and HF references."""
 
+import gc
 import json
 import os
 import subprocess
@@ -30,6 +31,14 @@ QUICK_CLI_ARGS = [
     "--page_size", "16",
     "--quiet",
 ]  # fmt: skip
+
+
+@pytest.fixture(scope="module", autouse=True)
+def unfrozen_heap():
+    """A TRL rollout function freezes the heap after the trainer's first step (`gc.freeze()`): what a
+    test module left frozen goes back to the garbage collector when it ends."""
+    yield
+    gc.unfreeze()
 
 
 @pytest.fixture(scope="session")

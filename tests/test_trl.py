@@ -9,6 +9,7 @@ same tokens: the trainer's own per-token log-probs (`_get_per_token_logps_and_en
 TRL makes for it) against the engine's, mean |difference| over the completion tokens.
 """
 
+import gc
 import math
 
 import pytest
@@ -64,6 +65,7 @@ class RecordingRollout:
         output = self.rollout_func(prompts, trainer)
         call = dict(
             step=trainer.state.global_step,
+            frozen_objects=gc.get_freeze_count(),
             prompts=prompts,
             output=output,
             trl_prompt_ids=trainer._tokenize_prompts(prompts)[0],
@@ -154,7 +156,7 @@ def run(request, tmp_path_factory):
     pristine_before = sha256_of(engine.pristine_lora_weights)
     base_before = sha256_of({name: layer.base_layer.weight for name, layer in lora_layers(policy).items()})
     trainer.train()
-    return dict(
+    yield dict(
         name=name,
         trainer=trainer,
         engine=engine,
@@ -175,6 +177,13 @@ def test_two_grpo_steps_on_engine_rollouts_give_a_finite_loss_and_train_the_adap
     ]
     assert changed, f"{run['name']}: no LoRA weight changed"
     assert [call["step"] for call in run["calls"]] == [0, 1], f"{run['name']}: {[c['step'] for c in run['calls']]=}"
+
+
+def test_the_rollout_function_freezes_the_heap_after_the_first_step(run):
+    """At the second weight sync, what the first step left alive (models, compiled code, the trainer)
+    is frozen out of the collector's full collections."""
+    first, second = (call["frozen_objects"] for call in run["calls"])
+    assert second > first + 10_000, f"{run['name']}: {first=} {second=} objects frozen"
 
 
 def test_rollouts_return_num_generations_completions_per_prompt_in_trls_order(run):
