@@ -156,7 +156,7 @@ def run(request, tmp_path_factory):
     pristine_before = sha256_of(engine.pristine_lora_weights)
     base_before = sha256_of({name: layer.base_layer.weight for name, layer in lora_layers(policy).items()})
     trainer.train()
-    yield dict(
+    return dict(
         name=name,
         trainer=trainer,
         engine=engine,
