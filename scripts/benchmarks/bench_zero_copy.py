@@ -30,7 +30,7 @@ if __name__ == "__main__" and importlib.util.find_spec("qwen3_flex_inference") i
 
 import torch
 
-from qwen3_flex_inference import FlexInference, SamplingParams, awake_while_generating, load_config
+from qwen3_flex_inference import SKINNY_CHOICES, FlexInference, SamplingParams, awake_while_generating, load_config
 from scripts.benchmarks.profile_decode import decode_gemm_table, decode_kernel_table, print_kernel_table
 from scripts.grpo_trl import LORA_TARGETS, engine_page_size, load_model
 
@@ -144,6 +144,8 @@ def main() -> int:
         del engine
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    # every few-row GEMM shape's pick (cuBLAS or a Triton config), its race times and dropped configs
+    results["skinny_choices"] = {",".join(map(str, key)): choice for key, choice in SKINNY_CHOICES.items()}
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
     return 0
