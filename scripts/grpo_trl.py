@@ -137,6 +137,13 @@ def build_arg_parser() -> argparse.ArgumentParser:
         "copy with the adapter merged; auto: shared, but copy with --fuse_projections (the measured fastest mode)",
     )
     p.add_argument(
+        "--profile_step",
+        type=int,
+        default=None,
+        help="print this optimizer step's top host ops and GPU kernels (torch.profiler): tells a host stall from "
+        "slower GPU work in a slow step (default: none)",
+    )
+    p.add_argument(
         "--micro_batch_size",
         type=int,
         default=None,
@@ -194,6 +201,10 @@ def check_args(args) -> None:
             raise FlexInferenceError(f"--{flag} must be greater than 0, got {getattr(args, flag)}")
     if not 0 <= args.seed < 2**32:  # numpy's seed range (transformers' set_seed)
         raise FlexInferenceError(f"--seed must be in [0, 2**32), got {args.seed}")
+    if args.profile_step is not None and not 1 <= args.profile_step <= args.steps:
+        raise FlexInferenceError(
+            f"--profile_step must be a step in [1, --steps = {args.steps}], got {args.profile_step}"
+        )
     if args.load_format == "dummy" and args.tokenizer is None:
         raise FlexInferenceError("--load_format dummy has no tokenizer: name one with --tokenizer")
     if args.stdlib is not None and not args.stdlib.is_dir():
@@ -533,6 +544,38 @@ class StepPhases(TrainerCallback):
         self.end("step_s")
 
 
+class StepProfiler(TrainerCallback):
+    """Profiles one optimizer step (`step`, from 1) with torch.profiler, host and GPU, and prints its
+    top host ops by their own time, then (CUDA) its top GPU kernels: a slow step's extra seconds
+    show as a host op (an allocation, a sync, a stall) or as kernels that ran longer."""
+
+    def __init__(self, step: int, device: torch.device, row_limit: int = 15):
+        self.step, self.device, self.row_limit = step, device, row_limit
+        self.profiler = None
+
+    def on_step_begin(self, _args, state, control, **kwargs):
+        if state.global_step + 1 == self.step:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profiler = torch.profiler.profile(activities=activities)
+            self.profiler.__enter__()
+
+    def on_step_end(self, _args, state, control, **kwargs):
+        if self.profiler is None:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.profiler.__exit__(None, None, None)
+        events = self.profiler.key_averages()
+        print(f"profile of step {self.step}: host ops by their own time")
+        print(events.table(sort_by="self_cpu_time_total", row_limit=self.row_limit))
+        if self.device.type == "cuda":
+            print(f"profile of step {self.step}: GPU kernels by their own time")
+            print(events.table(sort_by="self_device_time_total", row_limit=self.row_limit))
+        self.profiler = None
+
+
 def run(args) -> None:
     from datasets import Dataset
     from peft import LoraConfig, get_peft_model
@@ -667,6 +710,8 @@ def run(args) -> None:
     trainer.add_callback(gradient_guard)
     phases = StepPhases(trainer, device)
     trainer.add_callback(phases)
+    if args.profile_step is not None:
+        trainer.add_callback(StepProfiler(args.profile_step, device))
     gc_timer = GarbageCollectionTimer()
     try:
         trainer.train()

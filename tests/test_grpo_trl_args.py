@@ -29,6 +29,10 @@ BAD_ARGS = {
     "zero temperature": (["--temperature", "0"], "--temperature must be greater than 0, got 0.0"),
     "negative seed": (["--seed", "-1"], "--seed must be in [0, 2**32), got -1"),
     "seed beyond numpy's": (["--seed", str(2**32)], f"--seed must be in [0, 2**32), got {2**32}"),
+    "profile past the steps": (
+        ["--steps", "2", "--profile_step", "3"],
+        "--profile_step must be a step in [1, --steps = 2], got 3",
+    ),
     "dummy without tokenizer": (["--load_format", "dummy"], "--load_format dummy has no tokenizer"),
     "missing stdlib": (["--stdlib", "/no/such/folder"], "--stdlib /no/such/folder is not a folder"),
     "out in a missing folder": (["--out", "/no/such/folder/m.json"], "--out /no/such/folder/m.json is not a file"),
@@ -272,3 +276,17 @@ def test_step_phases_charge_the_generation_and_the_optimizer_and_leave_the_rest_
         f"generation in a micro batch: {got=}"
     )
     assert set(phases.counts().values()) == {0.0}, "a log does not reset the phases"
+
+
+def test_step_profiler_prints_the_chosen_step_only(capsys):
+    """--profile_step's callback profiles one optimizer step: its host ops show, other steps print nothing."""
+    from types import SimpleNamespace
+
+    profiler = grpo_trl.StepProfiler(2, grpo_trl.torch.device("cpu"))
+    for global_step in (0, 1, 2):  # steps 1, 2, 3
+        profiler.on_step_begin(None, SimpleNamespace(global_step=global_step), None)
+        x = grpo_trl.torch.ones(8, 8)
+        (x @ x if global_step == 1 else x + x).sum()
+        profiler.on_step_end(None, SimpleNamespace(global_step=global_step + 1), None)
+    out = capsys.readouterr().out
+    assert out.count("profile of step 2") == 1 and "aten::mm" in out and "aten::add" not in out, out
