@@ -4029,11 +4029,12 @@ def make_trl_rollout_func(
     while it generates: it sleeps through the trainer's log-prob pass, backward and optimizer step.
     `freeze_gc`: at the weight sync after the first step (compiles, captures, the optimizer's state
     all made), one full garbage collection, then `gc.freeze()`. The objects alive then (models,
-    compiled code, the trainer's) leave the collector's view for good: its later full collections
-    scan only newer objects. Without it, each of them scans the whole heap: 0.35-0.51 s once every
-    two or three steps of TRL's E2B step on a GPU, and 0.29 s against 0.4 ms frozen on the CPU for
-    the trained CI Gemma-4 (scripts/benchmarks/README.md). A frozen object that later becomes
-    garbage in a reference cycle is never collected.
+    compiled code, the trainer's) leave the collector's view until training ends (`gc.unfreeze()`
+    in the trainer's `on_train_end`): its full collections meanwhile scan only newer objects.
+    Without it, each of them scans the whole heap: 0.35-0.51 s once every two or three steps of
+    TRL's E2B step on a GPU, and 0.29 s against 0.4 ms frozen on the CPU for the trained CI Gemma-4
+    (scripts/benchmarks/README.md). A training run that raises leaves the heap frozen: call
+    `gc.unfreeze()` before dropping its models, or their memory stays held.
     """
     base_params = sampling_params or SamplingParams()
     synced_step = [None]  # the trainer step whose weights the engine holds
@@ -4048,6 +4049,7 @@ def make_trl_rollout_func(
             if synced_step[0] is not None and is_freeze_due[0]:  # a step done: what is alive now lives on
                 gc.collect()
                 gc.freeze()
+                trainer.add_callback(thaw_heap_at_train_end())
                 is_freeze_due[0] = False
             sync_trainer_weights(engine, trainer.accelerator.unwrap_model(trainer.model))
             synced_step[0] = trainer.state.global_step
@@ -4071,6 +4073,18 @@ def make_trl_rollout_func(
         }
 
     return rollout_func
+
+
+def thaw_heap_at_train_end():
+    """A trainer callback that gives the frozen heap (`make_trl_rollout_func`'s `freeze_gc`) back to
+    the garbage collector when training ends, so a later run's deleted models are collected."""
+    from transformers import TrainerCallback
+
+    class ThawHeapAtTrainEnd(TrainerCallback):
+        def on_train_end(self, args, state, control, **kwargs):
+            gc.unfreeze()
+
+    return ThawHeapAtTrainEnd()
 
 
 @contextlib.contextmanager
