@@ -559,14 +559,14 @@ class StepProfiler(TrainerCallback):
             if self.device.type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self.profiler = torch.profiler.profile(activities=activities)
-            self.profiler.__enter__()
+            self.profiler.start()
 
     def on_step_end(self, _args, state, control, **kwargs):
         if self.profiler is None:
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.profiler.__exit__(None, None, None)
+        self.profiler.stop()
         events = self.profiler.key_averages()
         print(f"profile of step {self.step}: host ops by their own time")
         print(events.table(sort_by="self_cpu_time_total", row_limit=self.row_limit))
