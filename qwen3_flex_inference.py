@@ -3233,21 +3233,26 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """
     N, K = weight.shape
     num_rows = x.numel() // K
+    # NOTE: F.linear multiplies rows [num_rows, K], never x itself: decode's [rows, 1, K] attention
+    # output can come out of a compiled step with its size-1 dim strided (rows, 1, 1), and F.linear
+    # does not fold such an x into one GEMM but runs aten::bmm with the weight broadcast, read once
+    # per row (a fused o_proj at 64 rows on an H100: 74-143 us against 5-8 us; bench_zero_copy.py).
+    x2d_MK = x.reshape(num_rows, K)
+    out_shape = (*x.shape[:-1], N)
     is_skinny = 0 < num_rows <= SKINNY_MAX_ROWS and x.dtype == weight.dtype and x.dtype in SKINNY_DTYPES
     is_k_contiguous = x.stride(-1) == 1 and weight.stride(1) == 1
     if triton is None or x.device.type != "cuda" or not is_skinny or not is_k_contiguous or weight.numel() >= 2**31:
-        return nn.functional.linear(x, weight)
-    x2d_MK = x.reshape(num_rows, K)
+        return nn.functional.linear(x2d_MK, weight).view(out_shape)
     key = (N, K, str(x.dtype).removeprefix("torch."), skinny_rows_bucket(num_rows))
     choice = SKINNY_CHOICES.get(key)
     if choice is None:
         if torch.cuda.is_current_stream_capturing():
-            return nn.functional.linear(x, weight)
+            return nn.functional.linear(x2d_MK, weight).view(out_shape)
         with torch.cuda.device(x.device):  # the race's sleep, events and syncs act on the current device
             choice = SKINNY_CHOICES[key] = skinny_choice(key, x2d_MK, weight)
     if choice["winner"] == "cublas":
-        return nn.functional.linear(x, weight)
-    return skinny_matmul_triton(x2d_MK, weight, SKINNY_CONFIGS[choice["winner"]]).reshape(*x.shape[:-1], N)
+        return nn.functional.linear(x2d_MK, weight).view(out_shape)
+    return skinny_matmul_triton(x2d_MK, weight, SKINNY_CONFIGS[choice["winner"]]).view(out_shape)
 
 
 @skinny_linear.register_fake
@@ -3525,7 +3530,8 @@ def project(owner: nn.Module, linears: list[nn.Module], fused_name: str, x: torc
         base_out, lora_hidden = out.split(list(lora_B_OR.shape), dim=-1)
         # NOTE: as rows [tokens, ranks]: compiled with a symbolic batch, a 3-D product of this strided slice
         # becomes a batched GEMM of one row per batch entry (B read again for every row), a 2-D one one GEMM.
-        lora_out = nn.functional.linear(lora_hidden.flatten(0, -2), lora_B_OR).view(base_out.shape)
+        # Decode's B products take skinny_linear too: its race picks their backend as for every decode GEMM.
+        lora_out = linear(lora_hidden.flatten(0, -2), lora_B_OR).view(base_out.shape)
         lora_out = lora_out * getattr(owner, fused_name + "_lora_scaling")
         out = (base_out + lora_out).to(base_out.dtype)
     return list(out.split(getattr(owner, fused_name + "_sizes"), dim=-1))

@@ -45,6 +45,23 @@ def test_skinny_linear_on_cpu_is_bitwise_f_linear(x_shape):
     assert SKINNY_CHOICES == choices_before, f"the CPU fallback raced backends: {SKINNY_CHOICES=}"
 
 
+def gemm_ops(call) -> set[str]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        call()
+    return {event.key for event in prof.key_averages()} & {"aten::mm", "aten::bmm"}
+
+
+def test_skinny_linear_multiplies_a_decode_input_with_a_strided_size_one_dim_as_one_gemm():
+    """A compiled decode step can hand a linear its [rows, 1, K] input with strides (K, 1, 1): F.linear
+    then runs a batched GEMM with the weight broadcast (read once per row), skinny_linear one GEMM."""
+    generator = torch.Generator().manual_seed(0)
+    x_B1K = torch.randn(8 * 64, generator=generator).as_strided((8, 1, 64), (64, 1, 1))
+    weight = torch.randn(48, 64, generator=generator)
+    assert gemm_ops(lambda: torch.nn.functional.linear(x_B1K, weight)) == {"aten::bmm"}, "the input folds: no case"
+    assert gemm_ops(lambda: skinny_linear(x_B1K, weight)) == {"aten::mm"}
+    torch.testing.assert_close(skinny_linear(x_B1K, weight), torch.nn.functional.linear(x_B1K, weight))
+
+
 def test_skinny_linear_in_compiled_graph_with_symbolic_batch_is_f_linear_and_compiled_once():
     from conftest import compiled_variants
 
