@@ -201,6 +201,40 @@ def test_bf16_decode_logit_error_of_the_fastest_mode_at_most_1_2x_hf_bf16():
         assert engine_err <= 1.2 * hf_err, f"prompt {i}: {engine_err=:.3e} {hf_err=:.3e}"
 
 
+@pytest.mark.parametrize("num_rows", [64, 72], ids=["raced", "above_the_race"])
+def test_compiled_decode_multiplies_no_weight_once_per_row(num_rows):
+    """E2B architecture, bf16, the compiled step with fused projections: no decode GEMM runs as a
+    batched GEMM of one row per batch entry (aten::bmm [rows, 1, K] x [rows, K, N], the weight read
+    once per row), whichever backend serves it: the race's picks at 64 rows, cuBLAS above them. The
+    compiled step hands o_proj its input with the size-1 dim strided, which F.linear does not fold."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from gemma4_flex_inference import FlexGemma4Inference
+    from qwen3_flex_inference import Sequence
+
+    config = AutoConfig.for_model(**json.loads((ROOT / "scripts/presets/unsloth__gemma-4-E2B-it.json").read_text()))
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    engine = FlexGemma4Inference(
+        model, None, max_batch_size=num_rows, max_seq_length=128, page_size=128, max_new_tokens=4,
+        compile_decode=True, fuse_projections=True,
+    )  # fmt: skip
+    engine.end_ids = set()
+    prompts = random_prompts([16] * num_rows, config.vocab_size, seed=3)
+    engine.generate([Sequence(input_ids=ids) for ids in prompts])  # compiles, races
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        engine.generate([Sequence(input_ids=ids) for ids in prompts])
+    events = prof.key_averages(group_by_input_shape=True)
+    per_row = [
+        shapes
+        for shapes in (event.input_shapes for event in events if event.key == "aten::bmm")
+        if len(shapes[0]) == 3 and shapes[0][0] > 1 and shapes[0][1] == 1 and shapes[1][0] == shapes[0][0]
+    ]
+    assert not per_row, f"batched GEMMs of one row per batch entry: {per_row}"
+    assert any(event.key == "aten::mm" for event in events), "no GEMM was profiled"
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_skinny_gemv_configs_match_fp64_and_skinny_linear_is_deterministic_under_cuda_graphs(dtype):
     """Every Triton GEMV config compiles and matches an fp64 reference (in float32 a config may
