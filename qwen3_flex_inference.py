@@ -3816,7 +3816,9 @@ def unmerged_lora_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     attributes, set only while the engine's patches are installed."""
     base_out = module.flex_lora_base_forward(x)
     lora_A_RI, lora_B_OR = module.flex_lora_A_RI, module.flex_lora_B_OR
-    lora_out = nn.functional.linear(nn.functional.linear(x.to(lora_A_RI.dtype), lora_A_RI), lora_B_OR)
+    x_rows = x.reshape(-1, x.shape[-1])  # [tokens, in]: one GEMM whatever x's strides (see skinny_linear)
+    lora_out = nn.functional.linear(nn.functional.linear(x_rows.to(lora_A_RI.dtype), lora_A_RI), lora_B_OR)
+    lora_out = lora_out.view(*x.shape[:-1], -1)
     lora_out = lora_out * module.flex_lora_scaling
     return (base_out + lora_out).to(base_out.dtype)
 

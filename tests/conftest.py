@@ -156,6 +156,13 @@ def assert_prefill_attention_compiles_once(path, device: str) -> None:
 # The CLIs' bad input: one sentence and a non-zero exit (tests/test_cli.py, tests/test_bad_input.py).
 
 
+def gemm_ops(call) -> set[str]:
+    """Which of aten::mm and aten::bmm call() runs (CPU profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        call()
+    return {event.key for event in prof.key_averages()} & {"aten::mm", "aten::bmm"}
+
+
 def assert_one_sentence(message, *keywords) -> None:
     assert isinstance(message, str) and message.strip(), f"exit message is not a non-empty str: {message!r}"
     assert "\n" not in message.strip(), f"exit message spans several lines: {message!r}"

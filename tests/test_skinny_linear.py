@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 import torch._inductor.config as inductor_config
-from conftest import run_triton_interpreter_check
+from conftest import gemm_ops, run_triton_interpreter_check
 
 from qwen3_flex_inference import (
     SKINNY_CHOICES,
@@ -43,12 +43,6 @@ def test_skinny_linear_on_cpu_is_bitwise_f_linear(x_shape):
     want = torch.nn.functional.linear(x, weight)
     assert got.shape == want.shape and torch.equal(got, want), f"{x_shape=} {(got - want).abs().max()=}"
     assert SKINNY_CHOICES == choices_before, f"the CPU fallback raced backends: {SKINNY_CHOICES=}"
-
-
-def gemm_ops(call) -> set[str]:
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        call()
-    return {event.key for event in prof.key_averages()} & {"aten::mm", "aten::bmm"}
 
 
 def test_skinny_linear_multiplies_a_decode_input_with_a_strided_size_one_dim_as_one_gemm():

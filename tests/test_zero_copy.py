@@ -215,6 +215,26 @@ def test_a_fused_groups_adapter_product_compiles_to_one_gemm_for_a_symbolic_batc
     assert torch.ops.aten.bmm.default not in ops and torch.ops.aten.mm.default in ops, sorted(map(str, ops))
 
 
+def test_an_unmerged_adapter_multiplies_a_decode_input_with_a_strided_size_one_dim_as_one_gemm():
+    """The unmerged adapter's products take x as rows: a compiled decode step's [rows, 1, K] input
+    strided (K, 1, 1) would otherwise run batched GEMMs of one row per batch entry (A and B read
+    once per row); the result is base + (x A^T) B^T x scaling."""
+    from conftest import gemm_ops
+
+    from qwen3_flex_inference import unmerged_lora_forward
+
+    generator = torch.Generator().manual_seed(0)
+    x_B1K = torch.randn(8 * 64, generator=generator).as_strided((8, 1, 64), (64, 1, 1))
+    weight, lora_A, lora_B = (torch.randn(shape, generator=generator) for shape in ((48, 64), (4, 64), (48, 4)))
+    module = torch.nn.Module()
+    module.flex_lora_base_forward = lambda x: torch.zeros(*x.shape[:-1], 48)
+    module.flex_lora_A_RI, module.flex_lora_B_OR, module.flex_lora_scaling = lora_A, lora_B, 0.5
+    assert gemm_ops(lambda: torch.nn.functional.linear(x_B1K, lora_A)) == {"aten::bmm"}, "the input folds: no case"
+    assert gemm_ops(lambda: unmerged_lora_forward(module, x_B1K)) == {"aten::mm"}
+    expected = torch.nn.functional.linear(torch.nn.functional.linear(x_B1K, lora_A), lora_B) * 0.5
+    torch.testing.assert_close(unmerged_lora_forward(module, x_B1K), expected)
+
+
 def test_a_replaced_adapter_weight_is_read_again_at_the_next_sync(shared):
     """A trainer that replaces the adapter's tensors (TRL casts a 4-bit model's adapter to bf16 when it
     starts) rather than updating them in place: refresh_lora (the TRL sync) points the engine at the
