@@ -3234,9 +3234,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     N, K = weight.shape
     num_rows = x.numel() // K
     # NOTE: F.linear multiplies rows [num_rows, K], never x itself: decode's [rows, 1, K] attention
-    # output can come out of a compiled step with its size-1 dim strided (rows, 1, 1), and F.linear
-    # does not fold such an x into one GEMM but runs aten::bmm with the weight broadcast, read once
-    # per row (a fused o_proj at 64 rows on an H100: 74-143 us against 5-8 us; bench_zero_copy.py).
+    # output can come out of a compiled step strided (K, 1, 1), and F.linear does not fold such an x
+    # into one GEMM but runs aten::bmm with the weight broadcast, read once per row (a fused o_proj
+    # at 64 rows on an H100: 74-143 us against 5-8 us; scripts/benchmarks/bench_zero_copy.py).
     x2d_MK = x.reshape(num_rows, K)
     out_shape = (*x.shape[:-1], N)
     is_skinny = 0 < num_rows <= SKINNY_MAX_ROWS and x.dtype == weight.dtype and x.dtype in SKINNY_DTYPES

@@ -153,14 +153,14 @@ def assert_prefill_attention_compiles_once(path, device: str) -> None:
     assert variants[0] > 0 and len(set(variants)) == 1, f"flex_attention variants after each prefill: {variants}"
 
 
-# The CLIs' bad input: one sentence and a non-zero exit (tests/test_cli.py, tests/test_bad_input.py).
-
-
 def gemm_ops(call) -> set[str]:
     """Which of aten::mm and aten::bmm call() runs (CPU profiler)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         call()
     return {event.key for event in prof.key_averages()} & {"aten::mm", "aten::bmm"}
+
+
+# The CLIs' bad input: one sentence and a non-zero exit (tests/test_cli.py, tests/test_bad_input.py).
 
 
 def assert_one_sentence(message, *keywords) -> None:

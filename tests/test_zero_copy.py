@@ -225,7 +225,7 @@ def test_an_unmerged_adapter_multiplies_a_decode_input_with_a_strided_size_one_d
 
     generator = torch.Generator().manual_seed(0)
     x_B1K = torch.randn(8 * 64, generator=generator).as_strided((8, 1, 64), (64, 1, 1))
-    weight, lora_A, lora_B = (torch.randn(shape, generator=generator) for shape in ((48, 64), (4, 64), (48, 4)))
+    lora_A, lora_B = torch.randn(4, 64, generator=generator), torch.randn(48, 4, generator=generator)
     module = torch.nn.Module()
     module.flex_lora_base_forward = lambda x: torch.zeros(*x.shape[:-1], 48)
     module.flex_lora_A_RI, module.flex_lora_B_OR, module.flex_lora_scaling = lora_A, lora_B, 0.5
