@@ -3524,17 +3524,18 @@ def project(owner: nn.Module, linears: list[nn.Module], fused_name: str, x: torc
     if fused is None:
         return [linear(x) for linear in linears]
     linear = skinny_linear if getattr(owner, "is_skinny", False) else nn.functional.linear
-    out = linear(x, fused)
+    # NOTE: every product on rows [tokens, ...]: compiled with a symbolic batch, a 3-D product of a
+    # strided x (or of the strided slice lora_hidden) becomes a batched GEMM of one row per batch
+    # entry (the weight read again for every row), a 2-D one one GEMM (see skinny_linear).
+    x_rows = x.reshape(-1, x.shape[-1])
+    out = linear(x_rows, fused)  # [tokens, sum of outputs (+ sum of ranks)]
     lora_B_OR = getattr(owner, fused_name + "_lora_B", None)  # [sum of outputs, sum of ranks]
     if lora_B_OR is not None:
         base_out, lora_hidden = out.split(list(lora_B_OR.shape), dim=-1)
-        # NOTE: as rows [tokens, ranks]: compiled with a symbolic batch, a 3-D product of this strided slice
-        # becomes a batched GEMM of one row per batch entry (B read again for every row), a 2-D one one GEMM.
-        # Decode's B products take skinny_linear too: its race picks their backend as for every decode GEMM.
-        lora_out = linear(lora_hidden.flatten(0, -2), lora_B_OR).view(base_out.shape)
-        lora_out = lora_out * getattr(owner, fused_name + "_lora_scaling")
+        # decode's B products take skinny_linear too: its race picks their backend as for every decode GEMM
+        lora_out = linear(lora_hidden, lora_B_OR) * getattr(owner, fused_name + "_lora_scaling")
         out = (base_out + lora_out).to(base_out.dtype)
-    return list(out.split(getattr(owner, fused_name + "_sizes"), dim=-1))
+    return list(out.view(*x.shape[:-1], -1).split(getattr(owner, fused_name + "_sizes"), dim=-1))
 
 
 def fuse_decoder_projections(

@@ -7,7 +7,7 @@ tokens are HF + PEFT's with the stepped adapter."""
 
 import pytest
 import torch
-from conftest import hf_greedy
+from conftest import gemm_ops, hf_greedy
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -183,7 +183,8 @@ def test_compiled_fused_zero_copy_follows_optimizer_steps_without_compiling_agai
 def test_a_fused_groups_adapter_product_compiles_to_one_gemm_for_a_symbolic_batch():
     """Compiled as the decode step is (its batch symbolic), the B product of a fused group's adapter
     is one GEMM over the rows, not a batched GEMM of one row per batch entry (which reads B again for
-    every row), and it equals base + (x A^T) B^T x scaling, split into the group's outputs."""
+    every row), and it equals base + (x A^T) B^T x scaling, split into the group's outputs. An input
+    strided (hidden, 1, 1) also runs plain GEMMs."""
     from torch._dynamo.backends.common import aot_autograd
 
     from qwen3_flex_inference import project
@@ -213,13 +214,15 @@ def test_a_fused_groups_adapter_product_compiles_to_one_gemm_for_a_symbolic_batc
     torch.testing.assert_close(torch.cat(outputs, -1), expected)
     ops = {node.target for graph in graphs for node in graph.nodes}
     assert torch.ops.aten.bmm.default not in ops and torch.ops.aten.mm.default in ops, sorted(map(str, ops))
+    # a decode input strided (hidden, 1, 1), as a compiled step can hand o_proj its input: one GEMM each
+    strided_B1H = hidden_B1H.flatten().as_strided((5, 1, hidden), (hidden, 1, 1))
+    assert gemm_ops(lambda: project(owner, [], "fused_weight", strided_B1H)) == {"aten::mm"}
 
 
 def test_an_unmerged_adapter_multiplies_a_decode_input_with_a_strided_size_one_dim_as_one_gemm():
     """The unmerged adapter's products take x as rows: a compiled decode step's [rows, 1, K] input
     strided (K, 1, 1) would otherwise run batched GEMMs of one row per batch entry (A and B read
     once per row); the result is base + (x A^T) B^T x scaling."""
-    from conftest import gemm_ops
 
     from qwen3_flex_inference import unmerged_lora_forward
 
