@@ -3213,16 +3213,26 @@ def race_skinny_backends(x2d_MK: torch.Tensor, w_NK: torch.Tensor) -> dict:
     return {"winner": min(us, key=us.get), "us": us, "failed": failed, "race_s": time.perf_counter() - start}
 
 
+def linear_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, weight) without bias (x [..., K], weight [N, K] -> [..., N]), multiplied as rows
+    [tokens, K]. NOTE: never on x itself: decode's [rows, 1, K] attention output can come out of a
+    compiled step strided (K, 1, 1), and so can a strided slice such as a fused GEMM's adapter
+    columns; F.linear does not fold such an x into one GEMM but runs aten::bmm with the weight
+    broadcast, read once per row (a fused o_proj at 64 rows on an H100: 74-143 us against 5-8 us;
+    scripts/benchmarks/bench_zero_copy.py)."""
+    return nn.functional.linear(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
+
+
 @torch.library.custom_op("flex_inference::skinny_linear", mutates_args=())
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """F.linear(x, weight) without bias (x [..., K], weight [N, K] -> [..., N]), through the Triton
     GEMV where it beat cuBLAS for this (N, K, dtype, row bucket) on this GPU.
 
-    Plain F.linear on CPU, without triton, above SKINNY_MAX_ROWS rows, or for dtypes/layouts the
-    kernel does not take. The first call of a new key outside CUDA-graph capture races the backends
-    (race_skinny_backends), unless an earlier process saved its pick (skinny_choice), and stores the
-    outcome in SKINNY_CHOICES; a new key met during capture
-    gets F.linear (never time inside a capture), so warm every decode bucket up eagerly first.
+    Plain F.linear on rows (linear_rows) on CPU, without triton, above SKINNY_MAX_ROWS rows, or for
+    dtypes/layouts the kernel does not take. The first call of a new key outside CUDA-graph capture
+    races the backends (race_skinny_backends), unless an earlier process saved its pick
+    (skinny_choice), and stores the outcome in SKINNY_CHOICES; a new key met during capture gets
+    linear_rows (never time inside a capture), so warm every decode bucket up eagerly first.
     Deterministic: once chosen, a key always runs the same kernel, which sums split-K partials in a
     fixed order. NOTE: a process that races a key again (no saved pick: another cache folder, GPU or
     software) may pick another backend where two are within timing noise, so results are bitwise
@@ -3233,26 +3243,21 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """
     N, K = weight.shape
     num_rows = x.numel() // K
-    # NOTE: F.linear multiplies rows [num_rows, K], never x itself: decode's [rows, 1, K] attention
-    # output can come out of a compiled step strided (K, 1, 1), and F.linear does not fold such an x
-    # into one GEMM but runs aten::bmm with the weight broadcast, read once per row (a fused o_proj
-    # at 64 rows on an H100: 74-143 us against 5-8 us; scripts/benchmarks/bench_zero_copy.py).
-    x2d_MK = x.reshape(num_rows, K)
-    out_shape = (*x.shape[:-1], N)
     is_skinny = 0 < num_rows <= SKINNY_MAX_ROWS and x.dtype == weight.dtype and x.dtype in SKINNY_DTYPES
     is_k_contiguous = x.stride(-1) == 1 and weight.stride(1) == 1
     if triton is None or x.device.type != "cuda" or not is_skinny or not is_k_contiguous or weight.numel() >= 2**31:
-        return nn.functional.linear(x2d_MK, weight).view(out_shape)
+        return linear_rows(x, weight)
+    x2d_MK = x.reshape(num_rows, K)
     key = (N, K, str(x.dtype).removeprefix("torch."), skinny_rows_bucket(num_rows))
     choice = SKINNY_CHOICES.get(key)
     if choice is None:
         if torch.cuda.is_current_stream_capturing():
-            return nn.functional.linear(x2d_MK, weight).view(out_shape)
+            return linear_rows(x, weight)
         with torch.cuda.device(x.device):  # the race's sleep, events and syncs act on the current device
             choice = SKINNY_CHOICES[key] = skinny_choice(key, x2d_MK, weight)
     if choice["winner"] == "cublas":
-        return nn.functional.linear(x2d_MK, weight).view(out_shape)
-    return skinny_matmul_triton(x2d_MK, weight, SKINNY_CONFIGS[choice["winner"]]).view(out_shape)
+        return linear_rows(x, weight)
+    return skinny_matmul_triton(x2d_MK, weight, SKINNY_CONFIGS[choice["winner"]]).view(*x.shape[:-1], N)
 
 
 @skinny_linear.register_fake
@@ -3523,19 +3528,16 @@ def project(owner: nn.Module, linears: list[nn.Module], fused_name: str, x: torc
     fused = getattr(owner, fused_name, None)
     if fused is None:
         return [linear(x) for linear in linears]
-    linear = skinny_linear if getattr(owner, "is_skinny", False) else nn.functional.linear
-    # NOTE: every product on rows [tokens, ...]: compiled with a symbolic batch, a 3-D product of a
-    # strided x (or of the strided slice lora_hidden) becomes a batched GEMM of one row per batch
-    # entry (the weight read again for every row), a 2-D one one GEMM (see skinny_linear).
-    x_rows = x.reshape(-1, x.shape[-1])
-    out = linear(x_rows, fused)  # [tokens, sum of outputs (+ sum of ranks)]
+    # both multiply rows (linear_rows): a strided x or lora_hidden slice stays one GEMM
+    linear = skinny_linear if getattr(owner, "is_skinny", False) else linear_rows
+    out = linear(x, fused)  # [..., sum of outputs (+ sum of ranks)]
     lora_B_OR = getattr(owner, fused_name + "_lora_B", None)  # [sum of outputs, sum of ranks]
     if lora_B_OR is not None:
         base_out, lora_hidden = out.split(list(lora_B_OR.shape), dim=-1)
         # decode's B products take skinny_linear too: its race picks their backend as for every decode GEMM
         lora_out = linear(lora_hidden, lora_B_OR) * getattr(owner, fused_name + "_lora_scaling")
         out = (base_out + lora_out).to(base_out.dtype)
-    return list(out.view(*x.shape[:-1], -1).split(getattr(owner, fused_name + "_sizes"), dim=-1))
+    return list(out.split(getattr(owner, fused_name + "_sizes"), dim=-1))
 
 
 def fuse_decoder_projections(
@@ -3817,10 +3819,7 @@ def unmerged_lora_forward(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     attributes, set only while the engine's patches are installed."""
     base_out = module.flex_lora_base_forward(x)
     lora_A_RI, lora_B_OR = module.flex_lora_A_RI, module.flex_lora_B_OR
-    x_rows = x.reshape(-1, x.shape[-1])  # [tokens, in]: one GEMM whatever x's strides (see skinny_linear)
-    lora_out = nn.functional.linear(nn.functional.linear(x_rows.to(lora_A_RI.dtype), lora_A_RI), lora_B_OR)
-    lora_out = lora_out.view(*x.shape[:-1], -1)
-    lora_out = lora_out * module.flex_lora_scaling
+    lora_out = linear_rows(linear_rows(x.to(lora_A_RI.dtype), lora_A_RI), lora_B_OR) * module.flex_lora_scaling
     return (base_out + lora_out).to(base_out.dtype)
 
 
