@@ -189,6 +189,23 @@ ENGINE_ONLY_FLAGS = (
 )
 
 
+def without_engine_flags(argv: list[str]) -> list[str]:
+    """A grpo_trl command line less the flags that only the engine's rollouts use, and their values:
+    the same run for `--backend hf`."""
+    parser = build_arg_parser()
+    engine_only = {"--" + flag for flag in (*ENGINE_ONLY_FLAGS, "engine_weights")}
+    kept, i = [], 0
+    while i < len(argv):
+        flag, has_value_inline = argv[i].split("=", 1)[0], "=" in argv[i]
+        if flag not in engine_only:
+            kept.append(argv[i])
+            i += 1
+            continue
+        is_switch = isinstance(parser.get_default(flag.removeprefix("--")), bool)  # store_true: no value
+        i += 1 if is_switch or has_value_inline else 2
+    return kept
+
+
 def check_args(args) -> None:
     """Flag values and combinations the script refuses, each in one sentence, before anything is loaded."""
     least = dict(steps=1, num_prompts=1, num_generations=2, max_completion_length=1, lora_r=1, max_seq_length=1)

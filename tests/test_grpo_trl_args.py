@@ -124,6 +124,21 @@ def test_good_flags_pass_the_checks(argv):
     grpo_trl.check_args(grpo_trl.build_arg_parser().parse_args(argv))
 
 
+def test_an_engine_run_less_its_engine_flags_is_the_same_run_for_trls_own_generation():
+    """bench_learning's hf runs: every engine-only flag and its value dropped, nothing else."""
+    parser = grpo_trl.build_arg_parser()
+    engine_flags = []
+    for flag in (*grpo_trl.ENGINE_ONLY_FLAGS, "engine_weights"):
+        value = {"kv_cache_gb": ["1.5"], "kv_cache_memory_fraction": ["0.5"], "engine_weights": ["copy"]}.get(flag, [])
+        assert isinstance(parser.get_default(flag), bool) == (not value), f"{flag=}: give it a value here"
+        engine_flags += [f"--{flag}", *value]
+    shared = ["--device", "cpu", "--steps", "3", "--out", "m.json"]
+    engine_run = [*shared[:2], *engine_flags, *shared[2:], "--engine_weights=shared"]
+    hf_run = grpo_trl.without_engine_flags(engine_run)
+    assert hf_run == shared, f"{hf_run=}"
+    grpo_trl.check_args(parser.parse_args([*hf_run, "--backend", "hf"]))
+
+
 @pytest.mark.parametrize(
     "argv, budget",
     [

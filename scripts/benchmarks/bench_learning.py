@@ -12,7 +12,7 @@ one. The runs go one after another, so none shares the GPU with another.
         --capture_cudagraph --compile_decode --fuse_projections
     python -m scripts.benchmarks.bench_learning --out_dir learning --summarize --plot learning.png
 
-Runs: `engine` (the engine's rollouts), `hf` (TRL's own generation; the engine flags are dropped),
+Runs: `engine` (the engine's rollouts), `hf` (TRL's own generation; the engine-only flags and their values are dropped),
 `engine_corrected` (the engine's rollouts with TRL's importance-sampling correction on its
 log-probs, `--sampler_correction`). `--bundle FILE` rewrites FILE after every run with all run files
 of `--out_dir` (one file to bring back from a device call cut short); `--summarize` reads the run
@@ -21,14 +21,24 @@ the curves with matplotlib (not a project dependency: `pip install matplotlib`).
 """
 
 import argparse
+import importlib.util
 import json
+import shlex
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-ENGINE_ONLY_FLAGS = {"--capture_cudagraph", "--compile_decode", "--fuse_projections", "--compare_logprobs"}
+if __name__ == "__main__" and importlib.util.find_spec("qwen3_flex_inference") is None:
+    # NOTE: run by path, the repository root (the engine modules, scripts.*) is not on sys.path
+    sys.exit(
+        f"run it from the repository root ({Path(__file__).resolve().parents[2]}) as: "
+        + shlex.join(["python", "-m", "scripts.benchmarks.bench_learning", *sys.argv[1:]])
+    )
+
+from scripts.grpo_trl import without_engine_flags
+
 RUNS = {"engine": ["--backend", "engine"], "hf": ["--backend", "hf"], "engine_corrected": ["--sampler_correction"]}
 LABELS = {
     "engine": "engine rollouts",
@@ -42,7 +52,7 @@ def run_file(out_dir: Path, run: str, seed: int) -> Path:
 
 
 def grpo_command(run: str, seed: int, grpo_args: list[str], out: Path) -> list[str]:
-    args = [a for a in grpo_args if a not in ENGINE_ONLY_FLAGS] if run == "hf" else list(grpo_args)
+    args = without_engine_flags(grpo_args) if run == "hf" else list(grpo_args)
     return [sys.executable, "-m", "scripts.grpo_trl", *args, *RUNS[run], "--seed", str(seed), "--out", str(out)]
 
 
