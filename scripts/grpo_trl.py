@@ -492,17 +492,24 @@ class StepPhases(TrainerCallback):
     the step's `rollout_s` is inside it), `optimizer_s` the optimizer step, and `train_s` the rest of
     the step (the micro batches' forward and backward); `micro_batch_min_s` and `micro_batch_max_s` are
     its fastest and slowest micro batch (generation taken out of the first, gradient clipping in the
-    last), so a slow step shows whether one micro batch or all of them slowed. Each boundary
-    synchronizes the device, so GPU work is charged to the phase that queued it. Add it to the
-    trainer's callbacks."""
+    last), so a slow step shows whether one micro batch or all of them slowed. For the slowest,
+    `micro_batch_max_index` (from 0 in the step), `micro_batch_max_width` (its padded prompt +
+    completion tokens) and `micro_batch_max_new_width` (1 if no earlier micro batch of the run was that
+    wide: a first shape for the trainer's kernels). Each boundary synchronizes the device, so GPU work
+    is charged to the phase that queued it. Add it to the trainer's callbacks."""
 
     def __init__(self, trainer, device: torch.device):
         self.device = device
         self.seconds = dict.fromkeys(("generate_s", "optimizer_s", "step_s"), 0.0)
         self._starts = {}
         self.micro_batch_s: list[float] = []
+        self.micro_batch_widths: list[int] = []  # each micro batch's padded tokens a row, 0 if unseen
+        self.micro_batch_new_widths: list[bool] = []
+        self._seen_widths: set[int] = set()
+        self._width = 0  # the running micro batch's, from its compute_loss call
         self._micro_batch_start = self._micro_batch_generate_s = 0.0  # when it began, generate_s then
         generate = trainer._generate_and_score_completions  # NOTE: TRL's private method, wrapped per instance
+        compute_loss = trainer.compute_loss
 
         def timed_generate(*args, **kwargs):
             self.begin("generate_s")
@@ -510,7 +517,12 @@ class StepPhases(TrainerCallback):
             self.end("generate_s")
             return output
 
+        def measured_compute_loss(model, inputs, *args, **kwargs):
+            self._width = inputs["prompt_ids"].shape[1] + inputs["completion_ids"].shape[1]
+            return compute_loss(model, inputs, *args, **kwargs)
+
         trainer._generate_and_score_completions = timed_generate
+        trainer.compute_loss = measured_compute_loss
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":
@@ -531,6 +543,10 @@ class StepPhases(TrainerCallback):
         self.synchronize()
         generated_s = self.seconds["generate_s"] - self._micro_batch_generate_s
         self.micro_batch_s.append(time.perf_counter() - self._micro_batch_start - generated_s)
+        self.micro_batch_widths.append(self._width)
+        self.micro_batch_new_widths.append(self._width not in self._seen_widths)
+        self._seen_widths.add(self._width)
+        self._width = 0
         self.micro_batch_begins()
 
     def counts(self) -> dict:
@@ -538,9 +554,16 @@ class StepPhases(TrainerCallback):
         phases = dict(self.seconds)
         phases["train_s"] = phases["step_s"] - phases["generate_s"] - phases["optimizer_s"]
         if self.micro_batch_s:
-            phases.update(micro_batch_min_s=min(self.micro_batch_s), micro_batch_max_s=max(self.micro_batch_s))
+            slowest = max(range(len(self.micro_batch_s)), key=self.micro_batch_s.__getitem__)
+            phases.update(
+                micro_batch_min_s=min(self.micro_batch_s),
+                micro_batch_max_s=self.micro_batch_s[slowest],
+                micro_batch_max_index=float(slowest),
+                micro_batch_max_width=float(self.micro_batch_widths[slowest]),
+                micro_batch_max_new_width=float(self.micro_batch_new_widths[slowest]),
+            )
         self.seconds = dict.fromkeys(self.seconds, 0.0)
-        self.micro_batch_s = []
+        self.micro_batch_s, self.micro_batch_widths, self.micro_batch_new_widths = [], [], []
         return phases
 
     def on_step_begin(self, _args, state, control, **kwargs):

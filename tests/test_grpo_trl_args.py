@@ -272,13 +272,21 @@ def test_step_phases_charge_the_generation_and_the_optimizer_and_leave_the_rest_
             time.sleep(0.05)
             return batch + 1
 
+        def compute_loss(self, model, inputs, num_items_in_batch=None):
+            return model
+
+    def micro_batch(prompt_tokens: int, seconds: float) -> None:
+        inputs = {"prompt_ids": grpo_trl.torch.zeros(8, prompt_tokens), "completion_ids": grpo_trl.torch.zeros(8, 5)}
+        assert trainer.compute_loss("loss", inputs, num_items_in_batch=3) == "loss"  # passes through
+        time.sleep(seconds)  # its forward and backward
+
     trainer = Trainer()
     phases = grpo_trl.StepPhases(trainer, grpo_trl.torch.device("cpu"))
     phases.on_step_begin(None, None, None)
     assert trainer._generate_and_score_completions(1) == 2  # the wrapped method's result passes through
-    time.sleep(0.01)  # the first micro batch's forward and backward
+    micro_batch(7, 0.01)
     phases.on_substep_end(None, None, None)
-    time.sleep(0.03)  # the second's
+    micro_batch(9, 0.03)
     phases.on_pre_optimizer_step(None, None, None)
     time.sleep(0.02)
     phases.on_optimizer_step(None, None, None)
@@ -290,7 +298,17 @@ def test_step_phases_charge_the_generation_and_the_optimizer_and_leave_the_rest_
     assert 0.01 <= got["micro_batch_min_s"] < 0.03 <= got["micro_batch_max_s"] < 0.05, (
         f"generation in a micro batch: {got=}"
     )
+    assert (got["micro_batch_max_index"], got["micro_batch_max_width"], got["micro_batch_max_new_width"]) == (1, 14, 1)
     assert set(phases.counts().values()) == {0.0}, "a log does not reset the phases"
+    phases.on_step_begin(None, None, None)  # the next step: the slowest micro batch has a width seen before
+    micro_batch(2, 0.0)
+    phases.on_substep_end(None, None, None)
+    micro_batch(9, 0.03)
+    phases.on_pre_optimizer_step(None, None, None)
+    phases.on_optimizer_step(None, None, None)
+    phases.on_step_end(None, None, None)
+    got = phases.counts()
+    assert (got["micro_batch_max_index"], got["micro_batch_max_width"], got["micro_batch_max_new_width"]) == (1, 14, 0)
 
 
 def test_step_profiler_prints_the_chosen_step_only(capsys):
