@@ -104,6 +104,7 @@ run() {  # run NAME CMD...: logs the command, its status and its time
   tiny=checkpoints/tiny
   common="--device cuda --quiet --n_rounds 2"
   fastest="--capture_cudagraph --compile_decode --fuse_projections"
+  on_copy="$fastest --engine_weights copy"  # grpo_trl's fastest mode on a copy of the weights: the documented TRL runs
   stdlib=""  # the trained checkpoints' corpus: the standard library carried from the development machine, else this Python's
   if [ -f .whl/corpus/stdlib.tar.xz ]; then
     mkdir -p /tmp/stdlib && tar -xJf .whl/corpus/stdlib.tar.xz -C /tmp/stdlib && stdlib="--stdlib /tmp/stdlib"
@@ -184,10 +185,10 @@ run() {  # run NAME CMD...: logs the command, its status and its time
       trl)
         grpo="--device cuda --dtype bfloat16 --num_prompts 8 --num_generations 8 --max_completion_length 256"
         e2b="--model_name unsloth/gemma-4-E2B-it --load_format dummy --tokenizer $tiny/gemma4"
-        run trl_tiny_gemma4_logprobs $PY -m scripts.grpo_trl --model_name $tiny/gemma4 $grpo $fastest --steps 3 --compare_logprobs \
+        run trl_tiny_gemma4_logprobs $PY -m scripts.grpo_trl --model_name $tiny/gemma4 $grpo $on_copy --steps 3 --compare_logprobs \
           --out "$OUT/trl_tiny_gemma4_logprobs.json"
-        run trl_e2b_logprobs $PY -m scripts.grpo_trl $e2b $grpo $fastest --steps 2 --compare_logprobs --out "$OUT/trl_e2b_logprobs.json"
-        run trl_e2b_engine $PY -m scripts.grpo_trl $e2b $grpo $fastest --steps 4 --out "$OUT/trl_e2b_engine.json"
+        run trl_e2b_logprobs $PY -m scripts.grpo_trl $e2b $grpo $on_copy --steps 2 --compare_logprobs --out "$OUT/trl_e2b_logprobs.json"
+        run trl_e2b_engine $PY -m scripts.grpo_trl $e2b $grpo $on_copy --steps 4 --out "$OUT/trl_e2b_engine.json"
         run trl_e2b_hf $PY -m scripts.grpo_trl $e2b $grpo --backend hf --steps 4 --out "$OUT/trl_e2b_hf.json" ;;
       zero_copy)
         [ -n "${ZERO_COPY_SKIP_TESTS:-}" ] || run gpu_tests_zero_copy $PY -m pytest -q -p no:cacheprovider tests/test_gpu.py -k zero_copy
@@ -202,7 +203,7 @@ run() {  # run NAME CMD...: logs the command, its status and its time
           case $kind in
             zero_copy) options="--capture_cudagraph --compile_decode --engine_weights shared --enable_sleep_mode" ;;
             zero_copy_fused) options="$fastest --engine_weights shared --enable_sleep_mode" ;;
-            copy) options="$fastest --engine_weights copy" ;;
+            copy) options="$on_copy" ;;
             hf) options="--backend hf" ;;
           esac
           run trl_e2b_${kind}_r${LORA_R:-16} $PY -m scripts.grpo_trl $e2b $grpo $options --out "$OUT/trl_e2b_${kind}_r${LORA_R:-16}.json"
@@ -224,7 +225,7 @@ run() {  # run NAME CMD...: logs the command, its status and its time
         for kind in ${CARD_RUNS:-zero_copy hf copy}; do
           case $kind in  # where each search starts (prompts of 8 completions): where it is expected to end
             zero_copy) start=64 options="--capture_cudagraph --compile_decode --engine_weights shared --enable_sleep_mode --kv_cache_gb 1.5" ;;
-            copy) start=8 options="$fastest --engine_weights copy --kv_cache_gb 1.5" ;;
+            copy) start=8 options="$on_copy --kv_cache_gb 1.5" ;;
             hf) start=64 options="--backend hf" ;;
           esac
           # num_prompts doubles while it fits and halves while it does not, within 1..64 (8 to 512 completions)
@@ -268,13 +269,13 @@ PYEOF
       trained)
         train_gpu_checkpoint
         cp checkpoints/trained_gpu/gemma4/REPORT.json "$OUT/trained_gpu_report.json"
-        run fidelity $PY -m scripts.grpo_trl --model_name checkpoints/trained_gpu/gemma4 $learn $fastest --steps 3 \
+        run fidelity $PY -m scripts.grpo_trl --model_name checkpoints/trained_gpu/gemma4 $learn $on_copy --steps 3 \
           --compare_logprobs --out "$OUT/fidelity.json" ;;
       learning)
         train_gpu_checkpoint
         run learning $PY -m scripts.benchmarks.bench_learning --out_dir out/learning --runs ${LEARNING_RUNS:-engine hf} \
           --seeds ${LEARNING_SEEDS:-0 1 2} --bundle "$OUT/learning_${LEARNING_TAG:-all}.json" -- \
-          --model_name checkpoints/trained_gpu/gemma4 $learn $fastest --steps ${LEARNING_STEPS:-20} ;;
+          --model_name checkpoints/trained_gpu/gemma4 $learn $on_copy --steps ${LEARNING_STEPS:-20} ;;
       multi_gpu)
         num_gpus=$(nvidia-smi -L | wc -l)
         for n in $(printf '%s\n' 1 "$num_gpus" | sort -un); do

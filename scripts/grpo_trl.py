@@ -134,7 +134,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
         default="auto",
         help="engine: shared runs the trainer's own PEFT model (zero copy: no second copy of the weights, the adapter "
         "read live, or copied into the fused GEMMs at each rollout with --fuse_projections); copy loads an inference "
-        "copy with the adapter merged; auto: shared, but copy with --fuse_projections (the measured fastest mode)",
+        "copy with the adapter merged; auto: shared, which every run of this script can take (LoRA on float weights)",
     )
     p.add_argument(
         "--profile_step",
@@ -645,7 +645,7 @@ def run(args) -> None:
             from gemma4_flex_inference import FlexGemma4Inference as engine_class
         else:
             engine_class = FlexInference
-        is_shared = args.engine_weights == "shared" or (args.engine_weights == "auto" and not args.fuse_projections)
+        is_shared = args.engine_weights != "copy"
         engine = engine_class(
             # zero copy: the trainer's own model; else an inference copy (same seed, same weights)
             policy if is_shared else load_model(model_name, is_gemma, dtype, device, args.load_format),

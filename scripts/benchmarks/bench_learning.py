@@ -9,7 +9,7 @@ one. The runs go one after another, so none shares the GPU with another.
     python -m scripts.benchmarks.bench_learning --out_dir learning --seeds 0 1 2 \\
         --runs engine hf engine_corrected -- --model_name checkpoints/trained_gpu/gemma4 --device cuda \\
         --num_prompts 8 --num_generations 8 --max_completion_length 128 --steps 30 \\
-        --capture_cudagraph --compile_decode --fuse_projections
+        --capture_cudagraph --compile_decode --fuse_projections --engine_weights copy
     python -m scripts.benchmarks.bench_learning --out_dir learning --summarize --plot learning.png
 
 Runs: `engine` (the engine's rollouts), `hf` (TRL's own generation; the engine-only flags and their values are dropped),
