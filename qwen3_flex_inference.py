@@ -1924,6 +1924,14 @@ class ModelRunner:
         self.cuda_graphs.clear()
         self.graph_pool = None
 
+    def graph_pool_bytes(self) -> int:
+        """Device memory the captured graphs' pool holds (its segments, in use or kept for the next
+        replay): it stays held while the engine sleeps, since freeing it would force a recapture."""
+        if self.graph_pool is None:
+            return 0
+        pool = tuple(self.graph_pool)
+        return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot() if tuple(seg["segment_pool_id"]) == pool)
+
     def _capture_cuda_graph(self, bucket: int, mode: str) -> float:
         """Captures the decode graph of one bucket and mode; returns its seconds (warm-up included)."""
         start = time.perf_counter()

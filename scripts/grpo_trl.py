@@ -767,6 +767,8 @@ def run(args) -> None:
             loaded_memory_gb=loaded_gb,
             kv_pool_gb=engine.runner.kv_pool_bytes / 1e9 if args.backend == "engine" else None,
             kv_pool_outside_allocator_gb=kv_pool_outside_allocator_gb,
+            # held through sleep: the CUDA graphs' memory pool (inside the allocator's statistics)
+            cuda_graph_pool_gb=engine.runner.graph_pool_bytes() / 1e9 if args.backend == "engine" else None,
             skipped_steps=gradient_guard.skipped_steps,
         )
         if comparison is not None:

@@ -429,6 +429,9 @@ def test_zero_copy_greedy_follows_optimizer_steps_under_cuda_graphs_with_no_refr
         engine.sleep()
         freed = torch.cuda.mem_get_info()[0] - free_awake
         assert freed >= pool_bytes, f"{options=}: sleep gave back {freed} bytes of a {pool_bytes}-byte pool"
+        held = engine.runner.graph_pool_bytes()  # what sleep keeps: the graphs' pool, in the allocator
+        assert 0 < held <= torch.cuda.memory_reserved(), f"{options=}: graph pool {held} bytes"
+        print(f"{options=}: the CUDA graphs' pool holds {held / 1e6:.1f} MB while the engine sleeps")
         policy.train()
         for _ in range(2):
             ids = torch.tensor([prompts[1]], device="cuda")
