@@ -503,7 +503,7 @@ class StepPhases(TrainerCallback):
         self.seconds = dict.fromkeys(("generate_s", "optimizer_s", "step_s"), 0.0)
         self._starts = {}
         self.micro_batch_s: list[float] = []
-        self.micro_batch_widths: list[int] = []  # each micro batch's padded tokens a row, 0 if unseen
+        self.micro_batch_widths: list[int] = []  # each micro batch's padded tokens a row (0: no compute_loss call)
         self.micro_batch_new_widths: list[bool] = []
         self._seen_widths: set[int] = set()
         self._width = 0  # the running micro batch's, from its compute_loss call
