@@ -55,7 +55,8 @@
 # trained:             the GPU-size trained checkpoint (scripts/train_checkpoints.py --size gpu, a scaled-down E2B, on the
 #                      standard library carried in .whl/corpus/stdlib.tar.xz, else this Python's; skipped when already
 #                      there), then TRL's sampling log-prob difference on it (engine, HF generate, the trainer's recompute
-#                      noise) in bf16 with the engine's fastest mode (~6 min)
+#                      noise) in bf16 with the engine's fastest mode, on a copy of the weights ($FIDELITY_WEIGHTS=shared: zero
+#                      copy fused, the trainer's own model) (~6 min)
 # learning:            GRPO on that checkpoint (the Python task): TRL with $LEARNING_RUNS (default: the engine's rollouts
 #                      and TRL's own generation; engine_corrected: the engine with TRL's importance-sampling correction)
 #                      for each of $LEARNING_SEEDS (default 0 1 2), $LEARNING_STEPS steps (20); a run file each in
@@ -269,8 +270,8 @@ PYEOF
       trained)
         train_gpu_checkpoint
         cp checkpoints/trained_gpu/gemma4/REPORT.json "$OUT/trained_gpu_report.json"
-        run fidelity $PY -m scripts.grpo_trl --model_name checkpoints/trained_gpu/gemma4 $learn $on_copy --steps 3 \
-          --compare_logprobs --out "$OUT/fidelity.json" ;;
+        run fidelity $PY -m scripts.grpo_trl --model_name checkpoints/trained_gpu/gemma4 $learn $fastest --steps 3 \
+          --engine_weights ${FIDELITY_WEIGHTS:-copy} --compare_logprobs --out "$OUT/fidelity_${FIDELITY_WEIGHTS:-copy}.json" ;;
       learning)
         train_gpu_checkpoint
         run learning $PY -m scripts.benchmarks.bench_learning --out_dir out/learning --runs ${LEARNING_RUNS:-engine hf} \
