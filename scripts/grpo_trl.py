@@ -502,9 +502,8 @@ class StepPhases(TrainerCallback):
         self.device = device
         self.seconds = dict.fromkeys(("generate_s", "optimizer_s", "step_s"), 0.0)
         self._starts = {}
-        self.micro_batch_s: list[float] = []
-        self.micro_batch_widths: list[int] = []  # each micro batch's padded tokens a row (0: no compute_loss call)
-        self.micro_batch_new_widths: list[bool] = []
+        # this step's micro batches: (seconds, padded tokens a row (0: no compute_loss call), width new to the run)
+        self.micro_batches: list[tuple[float, int, bool]] = []
         self._seen_widths: set[int] = set()
         self._width = 0  # the running micro batch's, from its compute_loss call
         self._micro_batch_start = self._micro_batch_generate_s = 0.0  # when it began, generate_s then
@@ -542,9 +541,8 @@ class StepPhases(TrainerCallback):
     def micro_batch_ends(self) -> None:
         self.synchronize()
         generated_s = self.seconds["generate_s"] - self._micro_batch_generate_s
-        self.micro_batch_s.append(time.perf_counter() - self._micro_batch_start - generated_s)
-        self.micro_batch_widths.append(self._width)
-        self.micro_batch_new_widths.append(self._width not in self._seen_widths)
+        seconds = time.perf_counter() - self._micro_batch_start - generated_s
+        self.micro_batches.append((seconds, self._width, self._width not in self._seen_widths))
         self._seen_widths.add(self._width)
         self._width = 0
         self.micro_batch_begins()
@@ -553,17 +551,18 @@ class StepPhases(TrainerCallback):
         """This step's phases in seconds (reset here)."""
         phases = dict(self.seconds)
         phases["train_s"] = phases["step_s"] - phases["generate_s"] - phases["optimizer_s"]
-        if self.micro_batch_s:
-            slowest = max(range(len(self.micro_batch_s)), key=self.micro_batch_s.__getitem__)
+        if self.micro_batches:
+            slowest = max(range(len(self.micro_batches)), key=lambda i: self.micro_batches[i][0])
+            max_s, width, is_new_width = self.micro_batches[slowest]
             phases.update(
-                micro_batch_min_s=min(self.micro_batch_s),
-                micro_batch_max_s=self.micro_batch_s[slowest],
+                micro_batch_min_s=min(seconds for seconds, _, _ in self.micro_batches),
+                micro_batch_max_s=max_s,
                 micro_batch_max_index=float(slowest),
-                micro_batch_max_width=float(self.micro_batch_widths[slowest]),
-                micro_batch_max_new_width=float(self.micro_batch_new_widths[slowest]),
+                micro_batch_max_width=float(width),
+                micro_batch_max_new_width=float(is_new_width),
             )
         self.seconds = dict.fromkeys(self.seconds, 0.0)
-        self.micro_batch_s, self.micro_batch_widths, self.micro_batch_new_widths = [], [], []
+        self.micro_batches = []
         return phases
 
     def on_step_begin(self, _args, state, control, **kwargs):
