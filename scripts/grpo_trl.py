@@ -26,6 +26,7 @@ log-probs (`sampler_corrected`).
 
 import argparse
 import copy
+import faulthandler
 import gc
 import importlib.util
 import json
@@ -144,6 +145,14 @@ def build_arg_parser() -> argparse.ArgumentParser:
         "slower GPU work in a slow step (default: none)",
     )
     p.add_argument(
+        "--stall_traceback_s",
+        type=float,
+        default=None,
+        help="print the Python stacks of any micro batch still running after this many seconds (faulthandler): a "
+        "host stall shows its frame, slower GPU work the final synchronize; unlike --profile_step it does not slow "
+        "the step (default: off)",
+    )
+    p.add_argument(
         "--micro_batch_size",
         type=int,
         default=None,
@@ -222,6 +231,8 @@ def check_args(args) -> None:
         raise FlexInferenceError(
             f"--profile_step must be a step in [1, --steps = {args.steps}], got {args.profile_step}"
         )
+    if args.stall_traceback_s is not None and not args.stall_traceback_s > 0:
+        raise FlexInferenceError(f"--stall_traceback_s must be greater than 0, got {args.stall_traceback_s}")
     if args.load_format == "dummy" and args.tokenizer is None:
         raise FlexInferenceError("--load_format dummy has no tokenizer: name one with --tokenizer")
     if args.stdlib is not None and not args.stdlib.is_dir():
@@ -496,10 +507,12 @@ class StepPhases(TrainerCallback):
     `micro_batch_max_index` (from 0 in the step), `micro_batch_max_width` (its padded prompt +
     completion tokens) and `micro_batch_max_new_width` (1 if no earlier micro batch of the run was that
     wide: a first shape for the trainer's kernels). Each boundary synchronizes the device, so GPU work
-    is charged to the phase that queued it. Add it to the trainer's callbacks."""
+    is charged to the phase that queued it. With `stall_s`, a micro batch still running after that many
+    seconds (generation not counted) prints every thread's Python stack to stderr (faulthandler's
+    watchdog thread: nothing is sampled while the step runs well). Add it to the trainer's callbacks."""
 
-    def __init__(self, trainer, device: torch.device):
-        self.device = device
+    def __init__(self, trainer, device: torch.device, stall_s: float | None = None):
+        self.device, self.stall_s = device, stall_s
         self.seconds = dict.fromkeys(("generate_s", "optimizer_s", "step_s"), 0.0)
         self._starts = {}
         # this step's micro batches: (seconds, padded tokens a row (0: no compute_loss call), width new to the run)
@@ -511,9 +524,11 @@ class StepPhases(TrainerCallback):
         compute_loss = trainer.compute_loss
 
         def timed_generate(*args, **kwargs):
+            self.disarm_stall_watch()
             self.begin("generate_s")
             output = generate(*args, **kwargs)
             self.end("generate_s")
+            self.arm_stall_watch()  # the rest of the micro batch it came in
             return output
 
         def measured_compute_loss(model, inputs, *args, **kwargs):
@@ -535,11 +550,21 @@ class StepPhases(TrainerCallback):
         self.synchronize()
         self.seconds[phase] += time.perf_counter() - self._starts.pop(phase)
 
+    def arm_stall_watch(self) -> None:
+        if self.stall_s is not None:
+            faulthandler.dump_traceback_later(self.stall_s)  # replaces the timer armed before
+
+    def disarm_stall_watch(self) -> None:
+        if self.stall_s is not None:
+            faulthandler.cancel_dump_traceback_later()
+
     def micro_batch_begins(self) -> None:
         self._micro_batch_start, self._micro_batch_generate_s = time.perf_counter(), self.seconds["generate_s"]
+        self.arm_stall_watch()
 
     def micro_batch_ends(self) -> None:
         self.synchronize()
+        self.disarm_stall_watch()
         generated_s = self.seconds["generate_s"] - self._micro_batch_generate_s
         seconds = time.perf_counter() - self._micro_batch_start - generated_s
         self.micro_batches.append((seconds, self._width, self._width not in self._seen_widths))
@@ -574,6 +599,7 @@ class StepPhases(TrainerCallback):
 
     def on_pre_optimizer_step(self, _args, state, control, **kwargs):
         self.micro_batch_ends()
+        self.disarm_stall_watch()  # micro_batch_ends armed it for a next micro batch: there is none
         self.begin("optimizer_s")
 
     def on_optimizer_step(self, _args, state, control, **kwargs):
@@ -703,7 +729,11 @@ def run(args) -> None:
                 logs["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
                 logs["peak_reserved_gb"] = torch.cuda.max_memory_reserved(device) / 1e9
                 # a running count: the allocator found no free block, emptied its cache and synchronized
-                logs["alloc_retries"] = float(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
+                stats = torch.cuda.memory_stats(device)
+                logs["alloc_retries"] = float(stats.get("num_alloc_retries", 0))
+                for key in ("num_device_alloc", "num_device_free"):  # running counts of cudaMalloc and cudaFree
+                    if key in stats:
+                        logs[key] = float(stats[key])
                 torch.cuda.reset_peak_memory_stats(device)
             if isinstance(rollout_func, TimedRollouts):
                 logs.update(rollout_func.counts())
@@ -747,7 +777,7 @@ def run(args) -> None:
     trainer.remove_callback(PrinterCallback)
     trainer.add_callback(PrintMetrics())
     trainer.add_callback(gradient_guard)
-    phases = StepPhases(trainer, device)
+    phases = StepPhases(trainer, device, args.stall_traceback_s)
     trainer.add_callback(phases)
     if args.profile_step is not None:
         trainer.add_callback(StepProfiler(args.profile_step, device))

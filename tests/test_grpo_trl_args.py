@@ -33,6 +33,7 @@ BAD_ARGS = {
         ["--steps", "2", "--profile_step", "3"],
         "--profile_step must be a step in [1, --steps = 2], got 3",
     ),
+    "no stall watch time": (["--stall_traceback_s", "0"], "--stall_traceback_s must be greater than 0, got 0.0"),
     "dummy without tokenizer": (["--load_format", "dummy"], "--load_format dummy has no tokenizer"),
     "missing stdlib": (["--stdlib", "/no/such/folder"], "--stdlib /no/such/folder is not a folder"),
     "out in a missing folder": (["--out", "/no/such/folder/m.json"], "--out /no/such/folder/m.json is not a file"),
@@ -309,6 +310,37 @@ def test_step_phases_charge_the_generation_and_the_optimizer_and_leave_the_rest_
     phases.on_step_end(None, None, None)
     got = phases.counts()
     assert (got["micro_batch_max_index"], got["micro_batch_max_width"], got["micro_batch_max_new_width"]) == (1, 14, 0)
+
+
+def test_step_phases_print_the_stacks_of_a_stalled_micro_batch_only(capfd):
+    """--stall_traceback_s: a micro batch running past it prints the Python stacks (its own frame among
+    them); a fast micro batch, the generation and the optimizer step, each longer than it, print none."""
+    import time
+
+    class Trainer:
+        def _generate_and_score_completions(self, batch):
+            time.sleep(0.3)
+            return batch
+
+        def compute_loss(self, model, inputs, num_items_in_batch=None):
+            return model
+
+    def stalled_micro_batch():
+        time.sleep(0.6)
+
+    trainer = Trainer()
+    phases = grpo_trl.StepPhases(trainer, grpo_trl.torch.device("cpu"), stall_s=0.2)
+    phases.on_step_begin(None, None, None)
+    trainer._generate_and_score_completions(0)
+    phases.on_substep_end(None, None, None)  # a fast first micro batch
+    stalled_micro_batch()
+    phases.on_pre_optimizer_step(None, None, None)
+    time.sleep(0.3)  # the optimizer step
+    phases.on_optimizer_step(None, None, None)
+    phases.on_step_end(None, None, None)
+    time.sleep(0.3)  # between steps
+    err = capfd.readouterr().err
+    assert err.count("Timeout (") == 1 and "stalled_micro_batch" in err, err
 
 
 def test_step_profiler_prints_the_chosen_step_only(capsys):
