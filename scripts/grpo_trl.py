@@ -25,6 +25,7 @@ log-probs (`sampler_corrected`).
 """
 
 import argparse
+import contextlib
 import copy
 import faulthandler
 import gc
@@ -143,6 +144,12 @@ def build_arg_parser() -> argparse.ArgumentParser:
         default=None,
         help="print this optimizer step's top host ops and GPU kernels (torch.profiler): tells a host stall from "
         "slower GPU work in a slow step (default: none)",
+    )
+    p.add_argument(
+        "--trainer_cudnn_attention",
+        action="store_true",
+        help="let the trainer's SDPA pick cuDNN attention. Off by default: on an H100 it built a plan on the host "
+        "for each new padded width, up to 5 s inside one micro batch (benchmark README, round 3's cause 2)",
     )
     p.add_argument(
         "--stall_traceback_s",
@@ -307,6 +314,18 @@ def python_prompts(stdlib: Path | None = None, max_header_chars: int = 300) -> l
     split = corpus_files(stdlib)
     chats = [chat for _, text in split["held_out"] for chat in function_chats(text, SIZES["ci"].max_function_chars)]
     return [[chat[0]] for chat in chats if len(chat[0]["content"]) <= max_header_chars]
+
+
+@contextlib.contextmanager
+def sdpa_cudnn(is_enabled: bool):
+    """Whether torch's scaled_dot_product_attention (the trainer's, and TRL's own generation's) may
+    pick cuDNN attention; the setting before comes back after."""
+    was_enabled = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(is_enabled)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(was_enabled)
 
 
 def limit_gpu_memory(device: torch.device, num_bytes: float) -> None:
@@ -783,7 +802,8 @@ def run(args) -> None:
         trainer.add_callback(StepProfiler(args.profile_step, device))
     gc_timer = GarbageCollectionTimer()
     try:
-        trainer.train()
+        with sdpa_cudnn(args.trainer_cudnn_attention):
+            trainer.train()
     finally:
         gc_timer.close()
     output_dir.cleanup()

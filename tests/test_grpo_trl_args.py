@@ -343,6 +343,23 @@ def test_step_phases_print_the_stacks_of_a_stalled_micro_batch_only(capfd):
     assert err.count("Timeout (") == 1 and "stalled_micro_batch" in err, err
 
 
+def test_sdpa_cudnn_sets_torch_attention_backend_and_gives_the_old_setting_back():
+    """grpo_trl trains with cuDNN attention off unless --trainer_cudnn_attention: the setting holds inside,
+    and the one before returns after, an exception included."""
+    cuda = grpo_trl.torch.backends.cuda
+    assert grpo_trl.build_arg_parser().parse_args([]).trainer_cudnn_attention is False
+    was_enabled = cuda.cudnn_sdp_enabled()
+    for before in (True, False):
+        cuda.enable_cudnn_sdp(before)
+        with grpo_trl.sdpa_cudnn(not before):
+            assert cuda.cudnn_sdp_enabled() is not before
+        assert cuda.cudnn_sdp_enabled() is before
+        with pytest.raises(RuntimeError), grpo_trl.sdpa_cudnn(not before):
+            raise RuntimeError("training failed")
+        assert cuda.cudnn_sdp_enabled() is before
+    cuda.enable_cudnn_sdp(was_enabled)
+
+
 def test_step_profiler_prints_the_chosen_step_only(capsys):
     """--profile_step's callback profiles one optimizer step: its host ops show, other steps print nothing."""
     from types import SimpleNamespace

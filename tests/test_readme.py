@@ -30,7 +30,12 @@ def test_readme_snippet_runs_as_written(tiny_dir, index, monkeypatch, capsys):
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):  # a plain process, not under torchrun
         monkeypatch.delenv(name, raising=False)
     namespace = {"__name__": f"readme_snippet_{index + 1}"}
-    exec(compile(SNIPPETS[index], f"README.md snippet {index + 1}", "exec"), namespace)
+    cuda = qwen3_flex_inference.torch.backends.cuda
+    was_cudnn_sdp = cuda.cudnn_sdp_enabled()  # the TRL snippet turns it off for its trainer, as users should
+    try:
+        exec(compile(SNIPPETS[index], f"README.md snippet {index + 1}", "exec"), namespace)
+    finally:
+        cuda.enable_cudnn_sdp(was_cudnn_sdp)
     assert os.getcwd() == str(ROOT)
 
 
