@@ -805,6 +805,7 @@ def run(args) -> None:
         with sdpa_cudnn(args.trainer_cudnn_attention):
             trainer.train()
     finally:
+        phases.disarm_stall_watch()  # training raised inside a micro batch: no dump after it
         gc_timer.close()
     output_dir.cleanup()
     if args.out:
