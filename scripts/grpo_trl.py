@@ -589,7 +589,6 @@ class StepPhases(TrainerCallback):
         self.micro_batches.append((seconds, self._width, self._width not in self._seen_widths))
         self._seen_widths.add(self._width)
         self._width = 0
-        self.micro_batch_begins()
 
     def counts(self) -> dict:
         """This step's phases in seconds (reset here)."""
@@ -615,10 +614,10 @@ class StepPhases(TrainerCallback):
 
     def on_substep_end(self, _args, state, control, **kwargs):
         self.micro_batch_ends()
+        self.micro_batch_begins()
 
     def on_pre_optimizer_step(self, _args, state, control, **kwargs):
         self.micro_batch_ends()
-        self.disarm_stall_watch()  # micro_batch_ends armed it for a next micro batch: there is none
         self.begin("optimizer_s")
 
     def on_optimizer_step(self, _args, state, control, **kwargs):
