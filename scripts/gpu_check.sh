@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks in one call; everything lands under $OUT (default: ./out).
-#   scripts/gpu_check.sh [kernels] [tests] [bench] [e2b] [profile] [gemv] [gemv_sweep] [flex_decode] [attention] [attention_tiles] [rollouts...] [sampling] [grpo] [trl] [zero_copy] [startup] [card] [fourbit] [multi_gpu] [trained] [learning...]
+#   scripts/gpu_check.sh [kernels] [tests] [bench] [e2b] [profile] [gemv] [gemv_sweep] [flex_decode] [attention] [attention_tiles] [rollouts...] [sampling] [grpo] [trl] [zero_copy] [startup] [startup_carried] [card] [fourbit] [multi_gpu] [trained] [learning...]
 #   (no argument: kernels tests bench e2b profile; each phase must fit the 10-minute limit of one
 #   device call, so call it with one or two phases at a time)
 # kernels: which flex_attention kernel options work at head_dim 256/512 (prefill and decode)
@@ -38,7 +38,10 @@
 #                      fastest mode: TRL's sampling log-prob difference for the engine and for HF generate (tiny Gemma-4
 #                      and E2B shape), then the E2B step time against TRL's own generation (~8 min)
 # startup:             start-up to the 256 bucket (the fastest mode, bench_rollouts' warm-up: compile, capture, GEMM races) on
-#                      empty caches, then again in a second process on the caches the first left
+#                      empty caches, then again in a second process on the caches the first left; packs those caches and the
+#                      first process's torch mega-cache into $OUT/startup_cache.tar.xz.* (15 MB parts)
+# startup_carried:     on a fresh machine, with those parts carried in .whl/startup_cache: start-up on the mega-cache alone
+#                      (and the race picks), then on all the carried cache folders ($STARTUP_COLD=1: first on empty caches)
 # card:                the largest GRPO batch (E2B, LoRA r16, micro batch 8, gradient checkpointing) that fits a smaller card
 #                      ($CARD_GB, default 24; simulated with --gpu_memory_gb) with the engine in zero copy, TRL's own generation
 #                      and the engine on a copy; all runs in $OUT/card_${CARD_GB}gb.json ($CARD_RUNS picks); a run that
@@ -210,13 +213,35 @@ run() {  # run NAME CMD...: logs the command, its status and its time
           run trl_e2b_${kind}_r${LORA_R:-16} $PY -m scripts.grpo_trl $e2b $grpo $options --out "$OUT/trl_e2b_${kind}_r${LORA_R:-16}.json"
         done ;;
       startup)  # start-up to the 256 bucket, fastest mode: a process on empty caches, then one on the caches it left
-        export TORCHINDUCTOR_CACHE_DIR=/tmp/startup_inductor FLEX_INFERENCE_CACHE_DIR=/tmp/startup_flex
-        rm -rf "$TORCHINDUCTOR_CACHE_DIR" "$FLEX_INFERENCE_CACHE_DIR"
+        # every cache under one root (inductor's, Triton's for the project's own kernels, the race picks), packed into
+        # $OUT/startup_cache.tar.xz.* with the cold process's torch mega-cache for startup_carried on a fresh machine
+        root=/tmp/startup
+        rm -rf $root && mkdir -p $root
         for cache in cold warm; do
-          run startup_$cache $PY -m scripts.benchmarks.bench_rollouts --batch_sizes 256 --new_tokens 64 \
-            --systems engine_fused_compiled_graph --out "$OUT/startup_$cache.json"
+          saving=""; [ $cache = cold ] && saving="--save_compile_artifacts $root/artifacts.bin"
+          TORCHINDUCTOR_CACHE_DIR=$root/inductor TRITON_CACHE_DIR=$root/triton FLEX_INFERENCE_CACHE_DIR=$root/flex \
+            run startup_$cache $PY -m scripts.benchmarks.bench_rollouts --batch_sizes 256 --new_tokens 64 \
+            --systems engine_fused_compiled_graph $saving --out "$OUT/startup_$cache.json"
         done
-        unset TORCHINDUCTOR_CACHE_DIR FLEX_INFERENCE_CACHE_DIR ;;
+        du -sh $root/*
+        tar -C $root -c . | xz -T0 -6 | split -b 15M - "$OUT/startup_cache.tar.xz."
+        ls -l "$OUT"/startup_cache.tar.xz.* ;;
+      startup_carried)  # start-up on a fresh machine with what startup packed (carry .whl/startup_cache): its torch
+        # mega-cache alone (and the race picks) on empty folders, then all its cache folders; STARTUP_COLD=1: first on none
+        root=/tmp/carried
+        rm -rf $root /tmp/fresh && mkdir -p $root /tmp/fresh
+        cat .whl/startup_cache/startup_cache.tar.xz.* | xz -d | tar -C $root -x
+        if [ -n "${STARTUP_COLD:-}" ]; then
+          TORCHINDUCTOR_CACHE_DIR=/tmp/fresh/cold_inductor TRITON_CACHE_DIR=/tmp/fresh/cold_triton \
+            FLEX_INFERENCE_CACHE_DIR=/tmp/fresh/cold_flex run startup_fresh_cold $PY -m scripts.benchmarks.bench_rollouts \
+            --batch_sizes 256 --new_tokens 64 --systems engine_fused_compiled_graph --out "$OUT/startup_fresh_cold.json"
+        fi
+        TORCHINDUCTOR_CACHE_DIR=/tmp/fresh/inductor TRITON_CACHE_DIR=/tmp/fresh/triton FLEX_INFERENCE_CACHE_DIR=$root/flex \
+          run startup_artifacts $PY -m scripts.benchmarks.bench_rollouts --batch_sizes 256 --new_tokens 64 \
+          --systems engine_fused_compiled_graph --load_compile_artifacts $root/artifacts.bin --out "$OUT/startup_artifacts.json"
+        TORCHINDUCTOR_CACHE_DIR=$root/inductor TRITON_CACHE_DIR=$root/triton FLEX_INFERENCE_CACHE_DIR=$root/flex \
+          run startup_folders $PY -m scripts.benchmarks.bench_rollouts --batch_sizes 256 --new_tokens 64 \
+          --systems engine_fused_compiled_graph --out "$OUT/startup_folders.json" ;;
       card)  # the largest GRPO batch on a smaller card, simulated (--gpu_memory_gb), each backend
         card_gb=${CARD_GB:-24}
         mkdir -p out/card

@@ -333,6 +333,17 @@ def main() -> int:
         default=engine_module.SKINNY_MAX_ROWS,
         help="skinny_linear races the Triton kernel up to this many rows only (0: cuBLAS; measures the row limit)",
     )
+    parser.add_argument(
+        "--load_compile_artifacts",
+        default=None,
+        help="torch.compiler.load_cache_artifacts from this file first (torch's mega-cache: compiled graphs, "
+        "inductor's kernels), as a fresh machine would with what another machine saved",
+    )
+    parser.add_argument(
+        "--save_compile_artifacts",
+        default=None,
+        help="torch.compiler.save_cache_artifacts to this file at the end: what this process compiled",
+    )
     parser.add_argument("--out", default=None, help="write all results as JSON here")
     args = parser.parse_args()
     if not 0 <= args.skinny_max_rows <= engine_module.SKINNY_KERNEL_MAX_ROWS:
@@ -340,6 +351,15 @@ def main() -> int:
             f"--skinny_max_rows must be 0..{engine_module.SKINNY_KERNEL_MAX_ROWS}: got {args.skinny_max_rows}"
         )
     engine_module.SKINNY_MAX_ROWS = args.skinny_max_rows
+    artifacts_loaded = None
+    if args.load_compile_artifacts:
+        start = time.perf_counter()
+        info = torch.compiler.load_cache_artifacts(Path(args.load_compile_artifacts).read_bytes())
+        artifacts_loaded = {
+            "s": time.perf_counter() - start,
+            "artifacts": {kind: len(keys) for kind, keys in (info.artifacts if info else {}).items()},
+        }
+        print(f"compile artifacts loaded: {artifacts_loaded}", flush=True)
     device = torch.device(args.device)
     bandwidth = copy_bandwidth_gbs(device)
     dtype = getattr(torch, args.dtype)
@@ -404,7 +424,17 @@ def main() -> int:
         "copy_bandwidth_gbs": bandwidth,
         "weight_bytes_per_step": weight_bytes,
         "command": " ".join(sys.argv),
+        "compile_artifacts_loaded": artifacts_loaded,
     }
+    if args.save_compile_artifacts:
+        saved = torch.compiler.save_cache_artifacts()
+        if saved is not None:
+            Path(args.save_compile_artifacts).write_bytes(saved[0])
+        setup["compile_artifacts_saved"] = {
+            "bytes": len(saved[0]) if saved else 0,
+            "artifacts": {kind: len(keys) for kind, keys in (saved[1].artifacts if saved else {}).items()},
+        }
+        print(f"compile artifacts saved: {setup['compile_artifacts_saved']}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"setup": setup, "rows": rows}, indent=1))
     print(f"\ncopy bandwidth {bandwidth:.0f} GB/s; weights read per step {weight_bytes / 1e9:.2f} GB\n")
