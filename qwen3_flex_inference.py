@@ -1525,6 +1525,8 @@ class ModelRunner:
             for head_dim in head_dims
         }
         self.decode_attention = resolve_decode_attention(decode_attention, self.device)
+        if self.device.type == "cuda" and triton is not None:
+            use_inductors_ptxas()
         self.patches = ModelPatches()
         self.patch_attention()
         # fused projections with an unmerged adapter: the engine's copies of its A and B, by target name
@@ -2879,6 +2881,24 @@ def is_programmatic_launch_on(device: torch.device) -> bool:
     previous one finishes: it waits (gdc_wait) before it reads anything the previous kernels write."""
     is_enabled = device.type == "cuda" and triton is not None and inductor_config.triton.enable_pdl
     return is_enabled and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def use_inductors_ptxas() -> None:
+    """Points Triton at the ptxas inductor builds its kernels with (TRITON_PTXAS_PATH, torch's own
+    where the install has one and the variable is unset), before the project's first Triton build.
+
+    NOTE: Triton keys its on-disk cache by the version of the ptxas it first saw in a process
+    (cached). Inductor sets the variable in a process only when it builds or loads a kernel there
+    itself, so a cold process built the project's kernels (the skinny races come first) with
+    Triton's ptxas, and a warm one, whose compiled step loaded from inductor's cache first, with
+    torch's: on an H100 every project kernel missed Triton's cache in the second process, 20 s of
+    its 30 s start-up (scripts/benchmarks/README.md, round 3).
+    """
+    try:
+        from torch._inductor.runtime.compile_tasks import _set_triton_ptxas_path
+    except ImportError:  # another torch: its inductor does not set the variable this way
+        return
+    _set_triton_ptxas_path()
 
 
 def programmatic_launch_option(use_pdl: bool) -> dict:

@@ -302,6 +302,43 @@ def test_skinny_pick_saved_by_one_process_is_read_by_the_next_without_a_race(tmp
     assert engine.SKINNY_CHOICES[key] == {**json.loads(json.dumps(choice)), "saved": True}
 
 
+def test_a_second_process_builds_none_of_the_projects_triton_kernels_again(tiny_dir, tmp_path):
+    """Two processes of the Gemma-4 CLI (compiled step under CUDA graphs: inductor's kernels, the
+    skinny GEMM's races, the Triton decode attention) on one set of empty cache folders: the second
+    finds each of the project's Triton kernels in Triton's cache (use_inductors_ptxas). Before it,
+    a cold process built them with another ptxas than a warm one, and every one missed there."""
+    import os
+    import subprocess
+    import sys
+
+    caches = {
+        name: tmp_path / name for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "FLEX_INFERENCE_CACHE_DIR")
+    }
+    env = {**os.environ, **{name: str(path) for name, path in caches.items()}}
+    command = [sys.executable, "gemma4_flex_inference.py", "--model_name", str(tiny_dir / "gemma4"), "--device", "cuda"]
+    command += ["--dtype", "float32", "--capture_cudagraph", "--compile_decode", "--quiet", "--n_prompts", "4"]
+    command += ["--max_batch_size", "4", "--max_seq_length", "256", "--n_pages", "32", "--page_size", "16"]
+    command += ["--max_new_tokens", "16"]
+
+    def project_kernel_builds() -> set:
+        return {
+            path.parent.name
+            for path in caches["TRITON_CACHE_DIR"].glob("*/*.cubin")
+            if path.stem in ("_skinny_matmul_kernel", "_paged_decode_attention_kernel", "_paged_decode_combine_kernel")
+        }
+
+    def run_process() -> None:
+        run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+
+    run_process()
+    first = project_kernel_builds()
+    run_process()
+    second = project_kernel_builds() - first
+    assert first, "the first process built none of the project's Triton kernels: the check checks nothing"
+    assert not second, f"the second process built {len(second)} of them again"
+
+
 @pytest.mark.parametrize("decode_attention", ["triton", "flex"])
 @pytest.mark.parametrize("page_size", [16, 128])
 def test_float32_gemma4_at_head_dims_256_and_512_fits_its_kernel_options_and_matches_hf(page_size, decode_attention):
