@@ -227,8 +227,9 @@ run() {  # run NAME CMD...: logs the command, its status and its time
         tar -C $root -c . | xz -T0 -6 | split -b 15M - "$OUT/startup_cache.tar.xz."
         ls -l "$OUT"/startup_cache.tar.xz.* ;;
       startup_carried)  # start-up on a fresh machine with what startup packed (carry .whl/startup_cache): its torch
-        # mega-cache alone (and the race picks) on empty folders, then all its cache folders; STARTUP_COLD=1: first on none
-        root=/tmp/carried
+        # mega-cache alone (and the race picks) on empty folders, then all its cache folders; STARTUP_COLD=1: first on none.
+        # Unpacked where startup packed them: Triton's cache entries name their files by absolute path.
+        root=/tmp/startup
         rm -rf $root /tmp/fresh && mkdir -p $root /tmp/fresh
         cat .whl/startup_cache/startup_cache.tar.xz.* | xz -d | tar -C $root -x
         if [ -n "${STARTUP_COLD:-}" ]; then
