@@ -2884,15 +2884,17 @@ def is_programmatic_launch_on(device: torch.device) -> bool:
 
 
 def use_inductors_ptxas() -> None:
-    """Points Triton at the ptxas inductor builds its kernels with (TRITON_PTXAS_PATH, torch's own
-    where the install has one and the variable is unset), before the project's first Triton build.
+    """Sets TRITON_PTXAS_PATH as inductor does (torch's own ptxas, where the install has one and the
+    variable is unset), before the project's first Triton build, so that every process builds the
+    project's kernels in one setting.
 
-    NOTE: Triton keys its on-disk cache by the version of the ptxas it first saw in a process
-    (cached). Inductor sets the variable in a process only when it builds or loads a kernel there
-    itself, so a cold process built the project's kernels (the skinny races come first) with
-    Triton's ptxas, and a warm one, whose compiled step loaded from inductor's cache first, with
-    torch's: on an H100 every project kernel missed Triton's cache in the second process, 20 s of
-    its 30 s start-up (scripts/benchmarks/README.md, round 3).
+    NOTE: inductor sets the variable in a process only when it builds or loads a kernel in that
+    process itself. Without this, on an H100 (torch 2.11, Triton 3.6), the second process on one
+    set of cache folders built every one of the project's Triton kernels again (40 variants, the
+    same IR and options under new cache keys; 1.7-4.2 s per decode graph captured), and the third
+    none. With it, the second builds none (tests/test_gpu.py); its start-up took 15.6 s against
+    30.2 s (scripts/benchmarks/README.md, round 3). Which part of Triton's key changed is not
+    pinned down: the two ptxas binaries there print the same version.
     """
     try:
         from torch._inductor.runtime.compile_tasks import _set_triton_ptxas_path

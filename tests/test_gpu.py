@@ -305,8 +305,8 @@ def test_skinny_pick_saved_by_one_process_is_read_by_the_next_without_a_race(tmp
 def test_a_second_process_builds_none_of_the_projects_triton_kernels_again(tiny_dir, tmp_path):
     """Two processes of the Gemma-4 CLI (compiled step under CUDA graphs: inductor's kernels, the
     skinny GEMM's races, the Triton decode attention) on one set of empty cache folders: the second
-    finds each of the project's Triton kernels in Triton's cache (use_inductors_ptxas). Before it,
-    a cold process built them with another ptxas than a warm one, and every one missed there."""
+    finds each of the project's Triton kernels in Triton's cache (use_inductors_ptxas; before it,
+    the second of two E2B processes built all 40 again)."""
     import os
     import subprocess
     import sys
