@@ -315,6 +315,7 @@ def test_a_second_process_builds_none_of_the_projects_triton_kernels_again(tiny_
         name: tmp_path / name for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "FLEX_INFERENCE_CACHE_DIR")
     }
     env = {**os.environ, **{name: str(path) for name, path in caches.items()}}
+    env.pop("TRITON_PTXAS_PATH", None)  # set in this process by any inductor build before: each child sets its own
     command = [sys.executable, "gemma4_flex_inference.py", "--model_name", str(tiny_dir / "gemma4"), "--device", "cuda"]
     command += ["--dtype", "float32", "--capture_cudagraph", "--compile_decode", "--quiet", "--n_prompts", "4"]
     command += ["--max_batch_size", "4", "--max_seq_length", "256", "--n_pages", "32", "--page_size", "16"]
