@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks in one call; everything lands under $OUT (default: ./out).
-#   scripts/gpu_check.sh [kernels] [tests] [bench] [e2b] [profile] [gemv] [gemv_sweep] [flex_decode] [attention] [attention_tiles] [rollouts...] [sampling] [grpo] [trl] [zero_copy] [startup] [startup_carried] [card] [fourbit] [multi_gpu] [trained] [learning...]
+#   scripts/gpu_check.sh [kernels] [tests] [bench] [e2b] [profile] [gemv] [gemv_sweep] [flex_decode] [attention] [attention_tiles] [rollouts...] [sampling] [grpo] [trl] [zero_copy] [startup] [startup_carried] [lever_bounds] [card] [fourbit] [multi_gpu] [trained] [learning...]
 #   (no argument: kernels tests bench e2b profile; each phase must fit the 10-minute limit of one
 #   device call, so call it with one or two phases at a time)
 # kernels: which flex_attention kernel options work at head_dim 256/512 (prefill and decode)
@@ -42,6 +42,8 @@
 #                      first process's torch mega-cache into $OUT/startup_cache.tar.xz.* (15 MB parts)
 # startup_carried:     on a fresh machine, with those parts carried in .whl/startup_cache: start-up on the mega-cache alone
 #                      (and the race picks), then on all the carried cache folders ($STARTUP_COLD=1: first on empty caches)
+# lever_bounds:        the fastest mode's decode step at batch 1/64/256 without its PLE blocks and without the split
+#                      combine: the most folding either into fewer kernels could save (bench_lever_bounds.py; ~4 min)
 # card:                the largest GRPO batch (E2B, LoRA r16, micro batch 8, gradient checkpointing) that fits a smaller card
 #                      ($CARD_GB, default 24; simulated with --gpu_memory_gb) with the engine in zero copy, TRL's own generation
 #                      and the engine on a copy; all runs in $OUT/card_${CARD_GB}gb.json ($CARD_RUNS picks); a run that
@@ -243,6 +245,8 @@ run() {  # run NAME CMD...: logs the command, its status and its time
         TORCHINDUCTOR_CACHE_DIR=$root/inductor TRITON_CACHE_DIR=$root/triton FLEX_INFERENCE_CACHE_DIR=$root/flex \
           run startup_folders $PY -m scripts.benchmarks.bench_rollouts --batch_sizes 256 --new_tokens 64 \
           --systems engine_fused_compiled_graph --out "$OUT/startup_folders.json" ;;
+      lever_bounds)  # decode step time without the PLE blocks, without the split combine, and whole
+        run lever_bounds $PY -m scripts.benchmarks.bench_lever_bounds --batch_sizes 1 64 256 --out "$OUT/lever_bounds.json" ;;
       card)  # the largest GRPO batch on a smaller card, simulated (--gpu_memory_gb), each backend
         card_gb=${CARD_GB:-24}
         mkdir -p out/card
