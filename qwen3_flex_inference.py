@@ -2924,7 +2924,7 @@ def programmatic_launch_option(use_pdl: bool) -> dict:
 # element: its time is the weight's bytes over the bandwidth reached, and cuBLAS's skinny kernels
 # reach well below the copy bandwidth on E2B's decode weights (scripts/benchmarks/README.md). The
 # kernel below streams the weight; skinny_linear races it against cuBLAS per (shape, dtype, row
-# bucket) on the GPU it runs on and keeps the faster one.
+# block) on the GPU it runs on and keeps the faster one.
 #
 # Kernel design (out[M, N] = x[M, K] @ w[N, K]^T, M <= SKINNY_KERNEL_MAX_ROWS):
 # - Program (n, s) owns BLOCK_N output features and the s-th of SPLIT_K runs of K; it walks its K
@@ -3108,7 +3108,7 @@ def skinny_matmul_triton(x2d_MK: torch.Tensor, w_NK: torch.Tensor, config: Skinn
     line_elems = 128 // x2d_MK.element_size()
     _skinny_matmul_kernel[(num_tiles, config.split_k)](
         x2d_MK, w_NK, out_MN, partials_SMN, tickets, M, N, K, x2d_MK.stride(0), w_NK.stride(0), N, M * N,
-        BLOCK_M=max(16, skinny_rows_bucket(M)), BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k,
+        BLOCK_M=skinny_block_rows(M), BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k,
         # NOTE: float32 operands would go through TF32 by default (~1e-3 relative error); "ieee" keeps fp32.
         INPUT_PRECISION="ieee" if x2d_MK.dtype == torch.float32 else "tf32",
         USE_PDL=use_pdl, PREFETCH_LINES=max(1, SKINNY_PREFETCH_BYTES // (config.block_n * 128)), LINE_ELEMS=line_elems,
@@ -3117,8 +3117,8 @@ def skinny_matmul_triton(x2d_MK: torch.Tensor, w_NK: torch.Tensor, config: Skinn
     return out_MN
 
 
-# (N, K, dtype name, row bucket) -> {"winner": "cublas" or an index into SKINNY_CONFIGS,
-# "us": backend -> median GPU us per call, "failed": config index -> why it was dropped}
+# (N, K, dtype name, row block: skinny_block_rows) -> {"winner": "cublas" or an index into
+# SKINNY_CONFIGS, "us": backend -> median GPU us per call, "failed": config index -> why it was dropped}
 SKINNY_CHOICES: dict = {}
 SKINNY_TUNE_WARMUP_CALLS = 3
 SKINNY_TUNE_RUNS = 3  # timed runs of back-to-back calls per backend; the median run counts
@@ -3177,9 +3177,14 @@ def skinny_choice(key: tuple, x2d_MK: torch.Tensor, w_NK: torch.Tensor) -> dict:
     return saved[name]
 
 
-def skinny_rows_bucket(num_rows: int) -> int:
-    """The power of two >= num_rows: decode batches that share one entry of SKINNY_CHOICES."""
-    return 1 << (num_rows - 1).bit_length()
+# NOTE: rows that share the kernel's BLOCK_M share one race, so 1-16 rows race once: on an H100 (E2B,
+# bf16, 14 decode shapes) each 2-, 4- and 8-row pick was within 1.5% of the 16-row pick's time on the
+# same shape, cuBLAS won none of them, and the 42 races they skip took 4.4 s of a cold start's 19.8
+# (scripts/benchmarks/README.md, round 3).
+def skinny_block_rows(num_rows: int) -> int:
+    """The kernel's BLOCK_M for num_rows (the power of two >= num_rows, at least 16: the MMA's
+    smallest), and the decode batches that share one entry of SKINNY_CHOICES."""
+    return max(16, 1 << (num_rows - 1).bit_length())
 
 
 def skinny_tolerance(dtype: torch.dtype) -> float:
@@ -3264,7 +3269,7 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 @torch.library.custom_op("flex_inference::skinny_linear", mutates_args=())
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """F.linear(x, weight) without bias (x [..., K], weight [N, K] -> [..., N]), through the Triton
-    GEMV where it beat cuBLAS for this (N, K, dtype, row bucket) on this GPU.
+    GEMV where it beat cuBLAS for this (N, K, dtype, row block) on this GPU.
 
     Plain F.linear on rows (linear_rows) on CPU, without triton, above SKINNY_MAX_ROWS rows, or for
     dtypes/layouts the kernel does not take. The first call of a new key outside CUDA-graph capture
@@ -3286,7 +3291,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if triton is None or x.device.type != "cuda" or not is_skinny or not is_k_contiguous or weight.numel() >= 2**31:
         return linear_rows(x, weight)
     x2d_MK = x.reshape(num_rows, K)
-    key = (N, K, str(x.dtype).removeprefix("torch."), skinny_rows_bucket(num_rows))
+    key = (N, K, str(x.dtype).removeprefix("torch."), skinny_block_rows(num_rows))
     choice = SKINNY_CHOICES.get(key)
     if choice is None:
         if torch.cuda.is_current_stream_capturing():

@@ -245,9 +245,9 @@ def test_skinny_gemv_configs_match_fp64_and_skinny_linear_is_deterministic_under
     from qwen3_flex_inference import (
         SKINNY_CHOICES,
         SKINNY_CONFIGS,
+        skinny_block_rows,
         skinny_linear,
         skinny_matmul_triton,
-        skinny_rows_bucket,
     )
 
     max_rel_err = 1e-2 if dtype == torch.bfloat16 else 1e-5  # ||out - ref|| / ||ref||
@@ -267,7 +267,7 @@ def test_skinny_gemv_configs_match_fp64_and_skinny_linear_is_deterministic_under
                 rel_err = ((out_MN.double().reshape(ref_M1N.shape) - ref_M1N).norm() / ref_M1N.norm()).item()
                 assert rel_err < max_rel_err, f"{N=} {K=} {M=} {idx=} {config=} {rel_err=}"
             got_M1N = skinny_linear(x_M1K, w_NK)
-            choice = SKINNY_CHOICES[(N, K, str(dtype).removeprefix("torch."), skinny_rows_bucket(M))]
+            choice = SKINNY_CHOICES[(N, K, str(dtype).removeprefix("torch."), skinny_block_rows(M))]
             assert torch.equal(skinny_linear(x_M1K, w_NK), got_M1N), f"{N=} {K=} {M=} {choice=}"
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):

@@ -136,7 +136,7 @@ def measure_shape(name: str, N: int, K: int, num_rows: list[int], args) -> list[
         # The op's own race (eager back-to-back calls over weight copies), for comparison with the
         # graph numbers; above SKINNY_MAX_ROWS the op is cuBLAS.
         engine.skinny_linear(x_MK, weights_CNK[0])
-        choice = engine.SKINNY_CHOICES.get((N, K, "bfloat16", engine.skinny_rows_bucket(M)), {"winner": "cublas"})
+        choice = engine.SKINNY_CHOICES.get((N, K, "bfloat16", engine.skinny_block_rows(M)), {"winner": "cublas"})
         winner = "cublas" if choice["winner"] == "cublas" else f"triton{choice['winner']}"
         if args.sweep and winner != "cublas":
             winner = "op's own config"  # not among the swept ones

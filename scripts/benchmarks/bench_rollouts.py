@@ -392,7 +392,7 @@ def main() -> int:
                     result["top_kernels"], result["kernel_classes"] = decode_kernel_table(
                         engine, prompts, num_steps=8, top=40
                     )
-                if options["skinny_gemms"]:  # which backend each (N, K, dtype, row bucket) raced to
+                if options["skinny_gemms"]:  # which backend each (N, K, dtype, row block) raced to
                     result["skinny_choices"] = {
                         " ".join(map(str, key)): choice["winner"] for key, choice in SKINNY_CHOICES.items()
                     }
