@@ -39,10 +39,13 @@ VARIANTS = ("whole", "no_ple", "no_combine")
 
 
 class _NoLaunch:
-    """Stands in for a Triton kernel: `kernel[grid](...)` launches nothing."""
+    """Stands in for a Triton kernel: `kernel[grid](...)` launches nothing, `warmup` builds nothing."""
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: None
+
+    def warmup(self, *args, **kwargs):
+        return None
 
 
 @contextlib.contextmanager
