@@ -1945,14 +1945,11 @@ class ModelRunner:
         (see build_triton_kernels); returns each key's builds (futures). None without triton."""
         if triton is None:
             return {}
-        builds, built = {}, set()
+        launches = {}
         for bucket, mode in keys:
-            with torch.compiler.set_stance("force_eager"), recording_triton_launches() as launches:
+            with torch.compiler.set_stance("force_eager"), recording_triton_launches() as launches[bucket, mode]:
                 self._decode_step(*self._padding_step_inputs(bucket), mode)
-            new = [launch for launch in launches if triton_variant(launch) not in built]
-            built.update(map(triton_variant, new))
-            builds[bucket, mode] = build_triton_kernels(new, self.device)
-        return builds
+        return build_triton_kernels(launches, self.device)
 
     def _padding_step_inputs(self, bucket: int) -> list[torch.Tensor]:
         """The static step inputs of `bucket` rows, every row a padding row (slot 0, page 0, greedy)."""
@@ -2954,6 +2951,7 @@ def programmatic_launch_option(use_pdl: bool) -> dict:
 # waits for its own kernels. Triton runs ptxas as a subprocess and caches what it built on disk
 # and in the kernel's memory, so a thread's build is what the launch would have built.
 
+TRITON_BUILD_THREADS = 16  # threads building the project's kernels ahead (at most the CPUs this process may use)
 _recorded_triton_launches: contextvars.ContextVar[list | None] = contextvars.ContextVar(
     "recorded_triton_launches", default=None
 )
@@ -3000,11 +2998,15 @@ def triton_variant(launch: tuple) -> tuple:
     return kernel, tuple(map(specialized, args)), tuple(sorted(kwargs.items()))
 
 
-def build_triton_kernels(launches: list[tuple], device: torch.device) -> list[concurrent.futures.Future]:
+def build_triton_kernels(launches: dict[tuple, list[tuple]], device: torch.device) -> dict[tuple, list]:
     """Builds each distinct recorded launch's kernel (Triton's warmup: compile or load, no launch) on
-    a pool of threads; returns the builds' futures. A build that fails is left to its launch,
-    which raises as it would have (or, in a race, drops its config)."""
-    variants = {triton_variant(launch): launch for launch in launches}
+    one pool of threads, in the order of `launches` (group -> its recorded launches); returns each
+    group's builds (futures): those of the kernels first seen in it. A build that fails is left to
+    its launch, which raises as it would have (or, in a race, drops its config)."""
+    variants = {}  # variant -> (its group, one launch of it)
+    for group, recorded in launches.items():
+        for launch in recorded:
+            variants.setdefault(triton_variant(launch), (group, launch))
 
     def build(kernel, grid, args, kwargs):
         with torch.cuda.device(device):  # Triton compiles for, and caches under, the thread's current device
@@ -3012,12 +3014,11 @@ def build_triton_kernels(launches: list[tuple], device: torch.device) -> list[co
 
     num_threads = min(TRITON_BUILD_THREADS, len(os.sched_getaffinity(0)), max(1, len(variants)))
     pool = concurrent.futures.ThreadPoolExecutor(num_threads, thread_name_prefix="triton_build")
-    futures = [pool.submit(build, *launch) for launch in variants.values()]
+    builds = {group: [] for group in launches}
+    for group, launch in variants.values():
+        builds[group].append(pool.submit(build, *launch))
     pool.shutdown(wait=False)  # the threads finish the builds, then exit
-    return futures
-
-
-TRITON_BUILD_THREADS = 16  # threads building the project's kernels ahead
+    return builds
 
 
 # ---------------------------------------------------------------------------------------------
