@@ -1946,9 +1946,13 @@ class ModelRunner:
         if triton is None:
             return {}
         launches = {}
-        for bucket, mode in keys:
-            with torch.compiler.set_stance("force_eager"), recording_triton_launches() as launches[bucket, mode]:
-                self._decode_step(*self._padding_step_inputs(bucket), mode)
+        try:
+            for bucket, mode in keys:
+                with torch.compiler.set_stance("force_eager"), recording_triton_launches() as launches[bucket, mode]:
+                    self._decode_step(*self._padding_step_inputs(bucket), mode)
+        except Exception as error:  # only a start-up saving: the captures build each kernel where they launch it
+            warnings.warn(f"the decode kernels were not built ahead ({type(error).__name__}: {error})")
+            return {}
         return build_triton_kernels(launches, self.device)
 
     def _padding_step_inputs(self, bucket: int) -> list[torch.Tensor]:
