@@ -33,9 +33,7 @@ number this engine produces is Hugging Face transformers on the same weights.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import contextlib
-import contextvars
 import ctypes
 import dataclasses
 import gc
@@ -1914,13 +1912,10 @@ class ModelRunner:
         if self.device.type != "cuda":
             raise FlexInferenceError("CUDA graphs need a CUDA device", "capture_cudagraph")
         keys = [(b, mode) for mode in modes for b in (buckets or self.buckets) if (b, mode) not in self.cuda_graphs]
-        keys.sort(reverse=True)
         self.flush_page_tables()
         graph_s = {}
         with programmatic_launch_settings():
-            kernel_builds = self.build_decode_kernels_ahead(keys)
-            for bucket, mode in keys:
-                concurrent.futures.wait(kernel_builds.get((bucket, mode), []))  # its own kernels, not built twice
+            for bucket, mode in sorted(keys, reverse=True):
                 graph_s[bucket, mode] = self._capture_cuda_graph(bucket, mode)
         if graph_s:
             torch.cuda.synchronize()
@@ -1939,32 +1934,12 @@ class ModelRunner:
         pool = tuple(self.graph_pool)
         return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot() if tuple(seg["segment_pool_id"]) == pool)
 
-    def build_decode_kernels_ahead(self, keys: list[tuple[int, str]]) -> dict[tuple, list]:
-        """Runs each (bucket, mode)'s decode step once eagerly, over padding rows, with the project's
-        Triton launches recorded, and starts building their kernels on threads, in `keys`' order
-        (see build_triton_kernels); returns each key's builds (futures). None without triton."""
-        if triton is None:
-            return {}
-        launches = {}
-        try:
-            for bucket, mode in keys:
-                with torch.compiler.set_stance("force_eager"), recording_triton_launches() as launches[bucket, mode]:
-                    self._decode_step(*self._padding_step_inputs(bucket), mode)
-        except Exception as error:  # only a start-up saving: the captures build each kernel where they launch it
-            warnings.warn(f"the decode kernels were not built ahead ({type(error).__name__}: {error})")
-            return {}
-        return build_triton_kernels(launches, self.device)
-
-    def _padding_step_inputs(self, bucket: int) -> list[torch.Tensor]:
-        """The static step inputs of `bucket` rows, every row a padding row (slot 0, page 0, greedy)."""
-        self.static_step_inputs[:, :bucket].zero_()
-        self.static_sampling_float[:bucket], self.static_sampling_int[:bucket] = sampling_inputs([], bucket)
-        return self._static_step_inputs(bucket)
-
     def _capture_cuda_graph(self, bucket: int, mode: str) -> float:
         """Captures the decode graph of one bucket and mode; returns its seconds (warm-up included)."""
         start = time.perf_counter()
-        step_inputs = self._padding_step_inputs(bucket)
+        self.static_step_inputs[:, :bucket].zero_()  # every row a padding row: slot 0, page 0
+        self.static_sampling_float[:bucket], self.static_sampling_int[:bucket] = sampling_inputs([], bucket)
+        step_inputs = self._static_step_inputs(bucket)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # eager warm-up compiles this bucket's kernels
@@ -2942,90 +2917,6 @@ def programmatic_launch_option(use_pdl: bool) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
-# The project's Triton kernels built ahead, on threads (CUDA)
-# ---------------------------------------------------------------------------------------------
-
-# On empty caches the project's kernels were built one at a time, each where a decode graph's
-# warm-up first launched it: the skinny GEMM's configs per row block (in its races) and the decode
-# attention's and its combine's per split count, 40 variants at ~0.3-0.5 s each on an H100
-# (scripts/benchmarks/README.md, round 3). Instead, capture_cuda_graphs first runs each bucket's
-# decode step eagerly with the project's launches recorded, not made (`recording_triton_launches`),
-# and builds the recorded kernels on threads (`build_triton_kernels`: Triton's warmup, which
-# compiles without launching) while the first graph's warm-up compiles the step; each later graph
-# waits for its own kernels. Triton runs ptxas as a subprocess and caches what it built on disk
-# and in the kernel's memory, so a thread's build is what the launch would have built.
-
-TRITON_BUILD_THREADS = 16  # threads building the project's kernels ahead (at most the CPUs this process may use)
-_recorded_triton_launches: contextvars.ContextVar[list | None] = contextvars.ContextVar(
-    "recorded_triton_launches", default=None
-)
-
-
-def launch_triton(kernel, grid: tuple, *args, **kwargs) -> None:
-    """kernel[grid](*args, **kwargs); inside recording_triton_launches, recorded instead (outputs unwritten)."""
-    recorded = _recorded_triton_launches.get()
-    if recorded is None:
-        kernel[grid](*args, **kwargs)
-    else:
-        recorded.append((kernel, grid, args, kwargs))
-
-
-def is_recording_triton_launches() -> bool:
-    return _recorded_triton_launches.get() is not None
-
-
-@contextlib.contextmanager
-def recording_triton_launches():
-    """Inside, the project's Triton launches (launch_triton) are recorded in the yielded list, not
-    made: what they would write is left unwritten."""
-    recorded = []
-    token = _recorded_triton_launches.set(recorded)
-    try:
-        yield recorded
-    finally:
-        _recorded_triton_launches.reset(token)
-
-
-def triton_variant(launch: tuple) -> tuple:
-    """What tells two recorded launches' kernels apart: the kernel, its keywords (constants and
-    options), and per argument what Triton specializes on (a tensor's dtype and 16-byte alignment,
-    an int's divisibility by 16 and being 1)."""
-    kernel, _, args, kwargs = launch
-
-    def specialized(arg):
-        if isinstance(arg, torch.Tensor):
-            return arg.dtype, arg.data_ptr() % 16 == 0
-        if isinstance(arg, int) and not isinstance(arg, bool):
-            return arg % 16 == 0, arg == 1
-        return arg
-
-    return kernel, tuple(map(specialized, args)), tuple(sorted(kwargs.items()))
-
-
-def build_triton_kernels(launches: dict[tuple, list[tuple]], device: torch.device) -> dict[tuple, list]:
-    """Builds each distinct recorded launch's kernel (Triton's warmup: compile or load, no launch) on
-    one pool of threads, in the order of `launches` (group -> its recorded launches); returns each
-    group's builds (futures): those of the kernels first seen in it. A build that fails is left to
-    its launch, which raises as it would have (or, in a race, drops its config)."""
-    variants = {}  # variant -> (its group, one launch of it)
-    for group, recorded in launches.items():
-        for launch in recorded:
-            variants.setdefault(triton_variant(launch), (group, launch))
-
-    def build(kernel, grid, args, kwargs):
-        with torch.cuda.device(device):  # Triton compiles for, and caches under, the thread's current device
-            kernel.warmup(*args, grid=grid, **kwargs)
-
-    num_threads = min(TRITON_BUILD_THREADS, len(os.sched_getaffinity(0)), max(1, len(variants)))
-    pool = concurrent.futures.ThreadPoolExecutor(num_threads, thread_name_prefix="triton_build")
-    builds = {group: [] for group in launches}
-    for group, launch in variants.values():
-        builds[group].append(pool.submit(build, *launch))
-    pool.shutdown(wait=False)  # the threads finish the builds, then exit
-    return builds
-
-
-# ---------------------------------------------------------------------------------------------
 # Skinny decode GEMMs: a Triton GEMV for few rows, raced against cuBLAS per weight shape
 # ---------------------------------------------------------------------------------------------
 
@@ -3215,8 +3106,7 @@ def skinny_matmul_triton(x2d_MK: torch.Tensor, w_NK: torch.Tensor, config: Skinn
         tickets = skinny_tickets(x2d_MK.device)
     use_pdl = is_programmatic_launch_on(x2d_MK.device)
     line_elems = 128 // x2d_MK.element_size()
-    launch_triton(
-        _skinny_matmul_kernel, (num_tiles, config.split_k),
+    _skinny_matmul_kernel[(num_tiles, config.split_k)](
         x2d_MK, w_NK, out_MN, partials_SMN, tickets, M, N, K, x2d_MK.stride(0), w_NK.stride(0), N, M * N,
         BLOCK_M=skinny_block_rows(M), BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k,
         # NOTE: float32 operands would go through TF32 by default (~1e-3 relative error); "ieee" keeps fp32.
@@ -3268,39 +3158,23 @@ def skinny_cache_path(device: torch.device) -> Path | None:
     return Path(root) / f"skinny_choices_{hashlib.sha256(repr(tuning).encode()).hexdigest()[:16]}.json"
 
 
-def saved_skinny_picks(device: torch.device) -> dict | None:
-    """The picks saved for this GPU and tuning ("N,K,dtype,row block" -> choice), read from disk
-    once a process; None: no cache."""
-    path = skinny_cache_path(device)
-    if path is None:
-        return None
-    if path not in SKINNY_SAVED:
-        SKINNY_SAVED[path] = json.loads(path.read_text()) if path.exists() else {}
-    return SKINNY_SAVED[path]
-
-
-def saved_skinny_choice(key: tuple, device: torch.device) -> dict | None:
-    """The pick an earlier process saved for `key` (marked "saved"), or None."""
-    saved = (saved_skinny_picks(device) or {}).get(",".join(map(str, key)))
-    return None if saved is None else {**saved, "saved": True}
-
-
 def skinny_choice(key: tuple, x2d_MK: torch.Tensor, w_NK: torch.Tensor) -> dict:
     """The pick for `key`: one an earlier process saved (marked "saved"), else a race's, saved for
     later processes (written whole to a new file, then renamed over the old: readers never see half)."""
-    choice = saved_skinny_choice(key, x2d_MK.device)
-    if choice is not None:
-        return choice
-    choice = race_skinny_backends(x2d_MK, w_NK)
-    saved = saved_skinny_picks(x2d_MK.device)
-    if saved is not None:
-        saved[",".join(map(str, key))] = choice
-        path = skinny_cache_path(x2d_MK.device)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as file:
-            json.dump(saved, file)
-        os.replace(file.name, path)
-    return choice
+    path = skinny_cache_path(x2d_MK.device)
+    if path is None:
+        return race_skinny_backends(x2d_MK, w_NK)
+    if path not in SKINNY_SAVED:
+        SKINNY_SAVED[path] = json.loads(path.read_text()) if path.exists() else {}
+    saved, name = SKINNY_SAVED[path], ",".join(map(str, key))
+    if name in saved:
+        return {**saved[name], "saved": True}
+    saved[name] = race_skinny_backends(x2d_MK, w_NK)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as file:
+        json.dump(saved, file)
+    os.replace(file.name, path)
+    return saved[name]
 
 
 # NOTE: rows that share the kernel's BLOCK_M share one race, so 1-16 rows race once: on an H100 (E2B,
@@ -3421,11 +3295,6 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     choice = SKINNY_CHOICES.get(key)
     if choice is None:
         if torch.cuda.is_current_stream_capturing():
-            return linear_rows(x, weight)
-        if is_recording_triton_launches() and saved_skinny_choice(key, x.device) is None:
-            x_race_MK = torch.empty(num_rows, K, dtype=x.dtype, device=x.device)
-            for config in SKINNY_CONFIGS:  # what the key's race will launch
-                skinny_matmul_triton(x_race_MK, weight, config)
             return linear_rows(x, weight)
         with torch.cuda.device(x.device):  # the race's sleep, events and syncs act on the current device
             choice = SKINNY_CHOICES[key] = skinny_choice(key, x2d_MK, weight)
@@ -3647,8 +3516,7 @@ def paged_decode_attention_triton(
         stats_2BHS = torch.empty(2, B, H, num_splits, dtype=torch.float32, device=q.device)
     head_dim_pad = triton.next_power_of_2(D)
     use_pdl = is_programmatic_launch_on(q.device)
-    launch_triton(
-        _paged_decode_attention_kernel, (B, num_kv_heads, num_splits),
+    _paged_decode_attention_kernel[(B, num_kv_heads, num_splits)](
         q_BHD, k_cache, v_cache, pages_BP, input_pos_B, out_BHD, partial_BHSD, stats_2BHS, scale,
         q_BHD.stride(0), q_BHD.stride(1), k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
         pages_BP.stride(0),
@@ -3662,8 +3530,7 @@ def paged_decode_attention_triton(
         **programmatic_launch_option(use_pdl),
     )  # fmt: skip
     if num_splits > 1:
-        launch_triton(
-            _paged_decode_combine_kernel, (B, H),
+        _paged_decode_combine_kernel[(B, H)](
             partial_BHSD, stats_2BHS, out_BHD, NUM_HEADS=H, HEAD_DIM=D, HEAD_DIM_PAD=head_dim_pad,
             NUM_SPLITS=num_splits, USE_PDL=use_pdl, **programmatic_launch_option(use_pdl),
         )  # fmt: skip

@@ -340,61 +340,6 @@ def test_a_second_process_builds_none_of_the_projects_triton_kernels_again(tiny_
     assert not second, f"the second process built {len(second)} of them again"
 
 
-def test_the_projects_triton_kernels_are_built_ahead_on_threads_not_where_the_captures_launch_them(tiny_dir, tmp_path):
-    """The Gemma-4 CLI (compiled step under CUDA graphs, bf16: the skinny GEMM's races and the Triton
-    decode attention at every split count) on empty cache folders builds each of the project's
-    Triton kernels on a build thread (ModelRunner.build_decode_kernels_ahead), none in the main
-    thread, and gives the tokens it gives with every build in the main thread."""
-    import os
-    import subprocess
-    import sys
-
-    script = """
-import json, runpy, sys, threading
-import triton.runtime.jit as jit
-import qwen3_flex_inference as engine
-builds = []
-do_compile = jit.JITFunction._do_compile
-def recording_do_compile(self, *args, **kwargs):
-    builds.append([self.__name__, threading.current_thread().name])
-    return do_compile(self, *args, **kwargs)
-jit.JITFunction._do_compile = recording_do_compile
-if sys.argv[1] == "main_thread":  # the earlier way: each kernel built where it is first launched
-    engine.ModelRunner.build_decode_kernels_ahead = lambda self, keys: {}
-sys.argv = ["gemma4_flex_inference.py", *sys.argv[2:]]
-try:
-    runpy.run_path("gemma4_flex_inference.py", run_name="__main__")
-except SystemExit as exit:
-    assert not exit.code, exit.code
-print("BUILDS " + json.dumps(builds))
-"""
-    cli = ["--model_name", str(tiny_dir / "gemma4"), "--device", "cuda", "--dtype", "bfloat16", "--capture_cudagraph"]
-    cli += ["--compile_decode", "--n_prompts", "4", "--max_batch_size", "4", "--max_seq_length", "256"]
-    cli += ["--n_pages", "32", "--page_size", "16", "--max_new_tokens", "16", "--quiet"]
-
-    def run_process(how: str, caches: str) -> tuple[list, list]:
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / caches / "inductor")}
-        env.update(TRITON_CACHE_DIR=str(tmp_path / caches / "triton"), FLEX_INFERENCE_CACHE_DIR=str(tmp_path / "flex"))
-        stats = tmp_path / f"{caches}.json"
-        command = [sys.executable, "-c", script, how, *cli, "--stats_path", str(stats)]
-        run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-        assert run.returncode == 0, run.stderr[-3000:]
-        line = next(line for line in run.stdout.splitlines() if line.startswith("BUILDS "))
-        kernels = ("_skinny_matmul_kernel", "_paged_decode_attention_kernel", "_paged_decode_combine_kernel")
-        builds = [build for build in json.loads(line.removeprefix("BUILDS ")) if build[0] in kernels]
-        return builds, json.loads(stats.read_text())["sample_completions"]
-
-    ahead, tokens_ahead = run_process("ahead", "first")
-    assert {name for name, _ in ahead} == {"_skinny_matmul_kernel", "_paged_decode_attention_kernel",
-                                          "_paged_decode_combine_kernel"}, ahead  # fmt: skip
-    in_main = [build for build in ahead if not build[1].startswith("triton_build")]
-    assert not in_main, f"{len(in_main)} of {len(ahead)} builds in the main thread: {in_main}"
-    # the race picks saved by the first process serve the second: equal tokens come from equal kernels
-    where_launched, tokens_where_launched = run_process("main_thread", "second")
-    assert where_launched and all(not thread.startswith("triton_build") for _, thread in where_launched)
-    assert tokens_ahead == tokens_where_launched
-
-
 @pytest.mark.parametrize("decode_attention", ["triton", "flex"])
 @pytest.mark.parametrize("page_size", [16, 128])
 def test_float32_gemma4_at_head_dims_256_and_512_fits_its_kernel_options_and_matches_hf(page_size, decode_attention):

@@ -39,13 +39,10 @@ VARIANTS = ("whole", "no_ple", "no_combine")
 
 
 class _NoLaunch:
-    """Stands in for a Triton kernel: `kernel[grid](...)` launches nothing, `warmup` builds nothing."""
+    """Stands in for a Triton kernel: `kernel[grid](...)` launches nothing."""
 
     def __getitem__(self, grid):
         return lambda *args, **kwargs: None
-
-    def warmup(self, *args, **kwargs):
-        return None
 
 
 @contextlib.contextmanager
