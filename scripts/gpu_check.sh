@@ -88,6 +88,11 @@ if ls .whl/trl/trl-*.whl >/dev/null 2>&1 && ! $PY -c "import trl" 2>/dev/null; t
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site_trl $wheels && export PYTHONPATH=/tmp/site_trl${PYTHONPATH:+:$PYTHONPATH}
 fi
 
+with_caches() {  # with_caches ROOT CMD...: CMD with inductor's, Triton's and the race picks' caches under ROOT
+  local root=$1; shift
+  TORCHINDUCTOR_CACHE_DIR=$root/inductor TRITON_CACHE_DIR=$root/triton FLEX_INFERENCE_CACHE_DIR=$root/flex "$@"
+}
+
 train_gpu_checkpoint() {  # the GPU-size trained Gemma-4, unless this machine has it already
   [ -f checkpoints/trained_gpu/gemma4/REPORT.json ] && return
   run train_gpu $PY -m scripts.train_checkpoints --size gpu $stdlib --out checkpoints/trained_gpu
@@ -221,8 +226,7 @@ run() {  # run NAME CMD...: logs the command, its status and its time
         rm -rf $root && mkdir -p $root
         for cache in cold warm; do
           saving=""; [ $cache = cold ] && saving="--save_compile_artifacts $root/artifacts.bin"
-          TORCHINDUCTOR_CACHE_DIR=$root/inductor TRITON_CACHE_DIR=$root/triton FLEX_INFERENCE_CACHE_DIR=$root/flex \
-            run startup_$cache $PY -m scripts.benchmarks.bench_rollouts --batch_sizes 256 --new_tokens 64 \
+          with_caches $root run startup_$cache $PY -m scripts.benchmarks.bench_rollouts --batch_sizes 256 --new_tokens 64 \
             --systems engine_fused_compiled_graph $saving --out "$OUT/startup_$cache.json"
         done
         du -sh $root/*
@@ -235,15 +239,13 @@ run() {  # run NAME CMD...: logs the command, its status and its time
         rm -rf $root /tmp/fresh && mkdir -p $root /tmp/fresh
         cat .whl/startup_cache/startup_cache.tar.xz.* | xz -d | tar -C $root -x
         if [ -n "${STARTUP_COLD:-}" ]; then
-          TORCHINDUCTOR_CACHE_DIR=/tmp/fresh/cold_inductor TRITON_CACHE_DIR=/tmp/fresh/cold_triton \
-            FLEX_INFERENCE_CACHE_DIR=/tmp/fresh/cold_flex run startup_fresh_cold $PY -m scripts.benchmarks.bench_rollouts \
+          with_caches /tmp/fresh/cold run startup_fresh_cold $PY -m scripts.benchmarks.bench_rollouts \
             --batch_sizes 256 --new_tokens 64 --systems engine_fused_compiled_graph --out "$OUT/startup_fresh_cold.json"
         fi
         TORCHINDUCTOR_CACHE_DIR=/tmp/fresh/inductor TRITON_CACHE_DIR=/tmp/fresh/triton FLEX_INFERENCE_CACHE_DIR=$root/flex \
           run startup_artifacts $PY -m scripts.benchmarks.bench_rollouts --batch_sizes 256 --new_tokens 64 \
           --systems engine_fused_compiled_graph --load_compile_artifacts $root/artifacts.bin --out "$OUT/startup_artifacts.json"
-        TORCHINDUCTOR_CACHE_DIR=$root/inductor TRITON_CACHE_DIR=$root/triton FLEX_INFERENCE_CACHE_DIR=$root/flex \
-          run startup_folders $PY -m scripts.benchmarks.bench_rollouts --batch_sizes 256 --new_tokens 64 \
+        with_caches $root run startup_folders $PY -m scripts.benchmarks.bench_rollouts --batch_sizes 256 --new_tokens 64 \
           --systems engine_fused_compiled_graph --out "$OUT/startup_folders.json" ;;
       lever_bounds)  # decode step time without the PLE blocks, without the split combine, and whole
         run lever_bounds $PY -m scripts.benchmarks.bench_lever_bounds --batch_sizes 1 64 256 --out "$OUT/lever_bounds.json" ;;
