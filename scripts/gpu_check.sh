@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks in one call; everything lands under $OUT (default: ./out).
-#   scripts/gpu_check.sh [kernels] [tests] [bench] [e2b] [profile] [gemv] [gemv_sweep] [flex_decode] [attention] [attention_tiles] [rollouts...] [sampling] [grpo] [trl] [zero_copy] [startup] [startup_carried] [lever_bounds] [card] [fourbit] [multi_gpu] [trained] [learning...]
+#   scripts/gpu_check.sh [kernels] [tests] [bench] [e2b] [profile] [gemv] [gemv_sweep] [flex_decode] [attention] [attention_tiles] [rollouts...] [sampling] [grpo] [trl] [zero_copy] [startup] [startup_carried] [startup_trees] [lever_bounds] [card] [fourbit] [multi_gpu] [trained] [learning...]
 #   (no argument: kernels tests bench e2b profile; each phase must fit the 10-minute limit of one
 #   device call, so call it with one or two phases at a time)
 # kernels: which flex_attention kernel options work at head_dim 256/512 (prefill and decode)
@@ -42,6 +42,8 @@
 #                      first process's torch mega-cache into $OUT/startup_cache.tar.xz.* (15 MB parts)
 # startup_carried:     on a fresh machine, with those parts carried in .whl/startup_cache: start-up on the mega-cache alone
 #                      (and the race picks), then on all the carried cache folders ($STARTUP_COLD=1: first on empty caches)
+# startup_trees:       the cold start-up of this tree and of each tree in $STARTUP_TREES (other commits' copies under
+#                      .whl, carried), one after another on the same machine, each on empty caches of its own (~90 s a tree)
 # lever_bounds:        the fastest mode's decode step at batch 1/64/256 without its PLE blocks and without the split
 #                      combine: the most folding either into fewer kernels could save (bench_lever_bounds.py; ~4 min)
 # card:                the largest GRPO batch (E2B, LoRA r16, micro batch 8, gradient checkpointing) that fits a smaller card
@@ -247,6 +249,17 @@ run() {  # run NAME CMD...: logs the command, its status and its time
           --systems engine_fused_compiled_graph --load_compile_artifacts $root/artifacts.bin --out "$OUT/startup_artifacts.json"
         with_caches $root run startup_folders $PY -m scripts.benchmarks.bench_rollouts --batch_sizes 256 --new_tokens 64 \
           --systems engine_fused_compiled_graph --out "$OUT/startup_folders.json" ;;
+      startup_trees)  # cold start-up to the 256 bucket of this tree, then of each tree in $STARTUP_TREES (copies
+        # of other commits carried under .whl, e.g. `git archive BRANCH | tar -x -C .whl/BRANCH`), each on empty caches of its own
+        out_dir=$(realpath "$OUT")
+        for tree in . ${STARTUP_TREES:-}; do
+          name=this; [ "$tree" = . ] || name=$(basename "$tree")
+          root=/tmp/startup_trees/$name
+          rm -rf $root && mkdir -p $root
+          (cd "$tree" && $PY scripts/make_tiny_checkpoints.py > /dev/null && with_caches $root run startup_tree_$name \
+            $PY -m scripts.benchmarks.bench_rollouts --batch_sizes 256 --new_tokens 64 --systems engine_fused_compiled_graph \
+            --out "$out_dir/startup_tree_$name.json")
+        done ;;
       lever_bounds)  # decode step time without the PLE blocks, without the split combine, and whole
         run lever_bounds $PY -m scripts.benchmarks.bench_lever_bounds --batch_sizes 1 64 256 --out "$OUT/lever_bounds.json" ;;
       card)  # the largest GRPO batch on a smaller card, simulated (--gpu_memory_gb), each backend
