@@ -250,7 +250,7 @@ run() {  # run NAME CMD...: logs the command, its status and its time
         with_caches $root run startup_folders $PY -m scripts.benchmarks.bench_rollouts --batch_sizes 256 --new_tokens 64 \
           --systems engine_fused_compiled_graph --out "$OUT/startup_folders.json" ;;
       startup_trees)  # cold start-up to the 256 bucket of this tree, then of each tree in $STARTUP_TREES (copies
-        # of other commits carried under .whl, e.g. `git archive BRANCH | tar -x -C .whl/BRANCH`), each on empty caches of its own
+        # of other commits carried under .whl, e.g. `mkdir -p .whl/B && git archive B | tar -x -C .whl/B`), each on empty caches of its own
         out_dir=$(realpath "$OUT")
         for tree in . ${STARTUP_TREES:-}; do
           name=this; [ "$tree" = . ] || name=$(basename "$tree")
