@@ -33,9 +33,11 @@ number this engine produces is Hugging Face transformers on the same weights.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import gc
 import hashlib
 import importlib.util
@@ -3072,11 +3074,16 @@ def skinny_tickets(device: torch.device) -> torch.Tensor:
     return tickets
 
 
-def skinny_matmul_triton(x2d_MK: torch.Tensor, w_NK: torch.Tensor, config: SkinnyConfig) -> torch.Tensor:
+def skinny_matmul_triton(
+    x2d_MK: torch.Tensor, w_NK: torch.Tensor, config: SkinnyConfig, build_only: bool = False
+) -> torch.Tensor | None:
     """out_MN = x2d_MK @ w_NK^T through the Triton kernel(s) of one config.
 
     M <= SKINNY_KERNEL_MAX_ROWS; x and w of one dtype in SKINNY_DTYPES, K contiguous in both; fp32
     accumulation, out_MN in x's dtype. Runs on CUDA, or on CPU tensors under TRITON_INTERPRET=1.
+    `build_only`: builds (or loads) the kernel this call would launch, launches nothing and returns
+    None (Triton's warmup: a build reads the tensors' dtypes and alignment, so empty ones stand in
+    for the outputs).
     """
     M, K = x2d_MK.shape
     N = w_NK.shape[0]
@@ -3098,15 +3105,18 @@ def skinny_matmul_triton(x2d_MK: torch.Tensor, w_NK: torch.Tensor, config: Skinn
         raise ValueError(
             f"skinny_matmul_triton has {SKINNY_TICKETS} split-K ticket counters, fewer than {num_tiles} tiles"
         )
-    out_MN = torch.empty(M, N, dtype=x2d_MK.dtype, device=x2d_MK.device)
+    num_out = 0 if build_only else 1  # a zero-size tensor's data pointer is null: aligned, as a fresh one's
+    out_MN = torch.empty(num_out * M, N, dtype=x2d_MK.dtype, device=x2d_MK.device)
     # partials_SMN: [split_k, M, N] fp32; without split-K neither it nor the counters are used
     partials_SMN, tickets = out_MN, out_MN
     if config.split_k > 1:
-        partials_SMN = torch.empty(config.split_k, M, N, dtype=torch.float32, device=x2d_MK.device)
+        partials_SMN = torch.empty(config.split_k, num_out * M, N, dtype=torch.float32, device=x2d_MK.device)
         tickets = skinny_tickets(x2d_MK.device)
     use_pdl = is_programmatic_launch_on(x2d_MK.device)
     line_elems = 128 // x2d_MK.element_size()
-    _skinny_matmul_kernel[(num_tiles, config.split_k)](
+    grid = (num_tiles, config.split_k)
+    launch = functools.partial(_skinny_matmul_kernel.warmup, grid=grid) if build_only else _skinny_matmul_kernel[grid]
+    launch(
         x2d_MK, w_NK, out_MN, partials_SMN, tickets, M, N, K, x2d_MK.stride(0), w_NK.stride(0), N, M * N,
         BLOCK_M=skinny_block_rows(M), BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=config.split_k,
         # NOTE: float32 operands would go through TF32 by default (~1e-3 relative error); "ieee" keeps fp32.
@@ -3114,7 +3124,7 @@ def skinny_matmul_triton(x2d_MK: torch.Tensor, w_NK: torch.Tensor, config: Skinn
         USE_PDL=use_pdl, PREFETCH_LINES=max(1, SKINNY_PREFETCH_BYTES // (config.block_n * 128)), LINE_ELEMS=line_elems,
         num_warps=config.num_warps, num_stages=config.num_stages, **programmatic_launch_option(use_pdl),
     )  # fmt: skip
-    return out_MN
+    return None if build_only else out_MN
 
 
 # (N, K, dtype name, row block: skinny_block_rows) -> {"winner": "cublas" or an index into
@@ -3215,6 +3225,27 @@ def _gpu_us_per_call(call, num_weights: int) -> float:
     return statistics.median(start.elapsed_time(end) * 1e3 for start, end in events) / SKINNY_TUNE_CALLS_PER_RUN
 
 
+def build_skinny_configs(x2d_MK: torch.Tensor, w_NK: torch.Tensor) -> None:
+    """Builds (or loads) the kernel of every config of SKINNY_CONFIGS for this input, on one thread
+    each, before the race calls them. A build that fails is left to the race's call, which raises
+    it again and drops the config.
+
+    NOTE: the first race of each row block (BLOCK_M) built the 8 configs' kernels one after another
+    in its first calls: 5.3, 3.1 and 2.9 s of a cold start's 19.8 s of races on an H100, against
+    0.07-0.12 s for a race that builds nothing (scripts/benchmarks/README.md, round 3). On threads
+    the builds overlap in part (ptxas, a subprocess, fully): 4 configs built in 1.24 s on 2 threads
+    of a 2-core CPU, against about 1.8 s one after another.
+    """
+    skinny_tickets(x2d_MK.device)  # allocated once, here, not by two threads at once
+
+    def build(config: SkinnyConfig) -> None:
+        with torch.cuda.device(x2d_MK.device):  # Triton builds for, and caches under, the thread's current device
+            skinny_matmul_triton(x2d_MK, w_NK, config, build_only=True)
+
+    with concurrent.futures.ThreadPoolExecutor(len(SKINNY_CONFIGS), thread_name_prefix="skinny_build") as pool:
+        concurrent.futures.wait([pool.submit(build, config) for config in SKINNY_CONFIGS])
+
+
 def race_skinny_backends(x2d_MK: torch.Tensor, w_NK: torch.Tensor) -> dict:
     """Times F.linear and every config of SKINNY_CONFIGS on this input's shape; returns an entry of
     SKINNY_CHOICES (with the race's own seconds, "race_s").
@@ -3235,6 +3266,7 @@ def race_skinny_backends(x2d_MK: torch.Tensor, w_NK: torch.Tensor) -> dict:
     start = time.perf_counter()
     generator = torch.Generator(device=x2d_MK.device).manual_seed(0)
     x_check_MK = torch.randn(x2d_MK.shape, generator=generator, device=x2d_MK.device).to(x2d_MK.dtype)
+    build_skinny_configs(x_check_MK, w_NK)
     ref_MN = nn.functional.linear(x_check_MK, w_NK).float()
     l2_bytes = torch.cuda.get_device_properties(x2d_MK.device).L2_cache_size
     num_weights = math.ceil(2 * l2_bytes / (w_NK.numel() * w_NK.element_size()))

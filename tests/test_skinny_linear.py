@@ -143,3 +143,43 @@ def test_the_cache_folder_comes_from_the_environment_and_empty_turns_it_off(monk
     assert engine.skinny_cache_path(torch.device("cuda")) == path
     monkeypatch.setenv(engine.SKINNY_CACHE_DIR_ENV, "")
     assert engine.skinny_cache_path(torch.device("cuda")) is None
+
+
+def test_a_build_only_call_builds_the_kernel_its_launch_would_run_and_launches_nothing(monkeypatch):
+    """skinny_matmul_triton(build_only=True), which the race runs for every config on threads first
+    (build_skinny_configs), passes Triton's warmup what the launch passes its kernel, as Triton tells
+    kernels apart (each tensor's dtype and 16-byte alignment, each int's divisibility by 16 and
+    being 1, the same constants), over zero-size outputs, and launches nothing."""
+    import qwen3_flex_inference as engine
+
+    if engine.triton is None:
+        pytest.skip("triton is not installed")
+    calls = []
+
+    class RecordingKernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append(("launch", grid, args, kwargs))
+
+        def warmup(self, *args, grid, **kwargs):
+            calls.append(("build", grid, args, kwargs))
+
+    def specialized(arg):
+        if isinstance(arg, torch.Tensor):
+            return arg.dtype, arg.data_ptr() % 16 == 0
+        if isinstance(arg, int) and not isinstance(arg, bool):
+            return arg % 16 == 0, arg == 1
+        return arg
+
+    monkeypatch.setattr(engine, "_skinny_matmul_kernel", RecordingKernel())
+    monkeypatch.setattr(engine, "_skinny_tickets", {})
+    x_MK, w_NK = torch.randn(3, 64, dtype=torch.bfloat16), torch.randn(48, 64, dtype=torch.bfloat16)
+    for config in SKINNY_CONFIGS:
+        calls.clear()
+        assert engine.skinny_matmul_triton(x_MK, w_NK, config, build_only=True) is None
+        assert engine.skinny_matmul_triton(x_MK, w_NK, config) is not None
+        (build, build_grid, build_args, build_kwargs), (launch, launch_grid, launch_args, launch_kwargs) = calls
+        assert (build, launch) == ("build", "launch") and build_grid == launch_grid
+        assert (
+            list(map(specialized, build_args)) == list(map(specialized, launch_args)) and build_kwargs == launch_kwargs
+        )
+        assert all(arg.numel() == 0 for arg in build_args[2:4]), "a build allocated outputs"
