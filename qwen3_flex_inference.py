@@ -3232,9 +3232,8 @@ def build_skinny_configs(x2d_MK: torch.Tensor, w_NK: torch.Tensor) -> None:
 
     NOTE: the first race of each row block (BLOCK_M) built the 8 configs' kernels one after another
     in its first calls: 5.3, 3.1 and 2.9 s of a cold start's 19.8 s of races on an H100, against
-    0.07-0.12 s for a race that builds nothing (scripts/benchmarks/README.md, round 3). On threads
-    the builds overlap in part (ptxas, a subprocess, fully): 4 configs built in 1.24 s on 2 threads
-    of a 2-core CPU, against about 1.8 s one after another.
+    0.07-0.12 s for a race that builds nothing (scripts/benchmarks/README.md, round 3). Built on
+    threads, a cold start's 42 races took 7.6 s against 14.4 s, in one call on an H100.
     """
     skinny_tickets(x2d_MK.device)  # allocated once, here, not by two threads at once
 

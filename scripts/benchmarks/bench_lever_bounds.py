@@ -33,7 +33,7 @@ if __name__ == "__main__" and importlib.util.find_spec("qwen3_flex_inference") i
 import torch
 
 import qwen3_flex_inference as engine_module
-from scripts.benchmarks.bench_rollouts import build_model, run_engine
+from scripts.benchmarks.bench_rollouts import build_model, command_line, run_engine
 
 VARIANTS = ("whole", "no_ple", "no_combine")
 
@@ -106,7 +106,11 @@ def main() -> int:
         saved = f"{base - row['ms_per_step']:.3f} ms ({1 - row['ms_per_step'] / base:.1%})" if base else "-"
         print(f"| {row['variant']} | {row['batch_size']} | {row['ms_per_step']:.3f} | {saved} |")
     if args.out:
-        setup = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv)}
+        setup = {
+            "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "command": command_line("bench_lever_bounds"),
+        }
         Path(args.out).write_text(json.dumps({"setup": setup, "rows": rows}, indent=1))
     return 0
 

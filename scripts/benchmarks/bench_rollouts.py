@@ -227,6 +227,12 @@ def run_engine(model, prompts, new_tokens, use_graph, sampling=None, **options):
     return result, engine
 
 
+def command_line(module: str) -> str:
+    """The command that ran this benchmark, as a results file records it: the module (not the script's
+    path, which names the machine's folders) and the arguments as given."""
+    return shlex.join(["python", "-m", f"scripts.benchmarks.{module}", *sys.argv[1:]])
+
+
 def run_hf(model, prompts, new_tokens, mode, compile_mode="reduce-overhead"):
     """HF generate: time to first token from a max_new_tokens=1 run, decode = the rest."""
     device = model.device
@@ -423,7 +429,7 @@ def main() -> int:
         "skinny_max_rows": args.skinny_max_rows,
         "copy_bandwidth_gbs": bandwidth,
         "weight_bytes_per_step": weight_bytes,
-        "command": " ".join(sys.argv),
+        "command": command_line("bench_rollouts"),
         "compile_artifacts_loaded": artifacts_loaded,
     }
     if args.save_compile_artifacts:
