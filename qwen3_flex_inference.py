@@ -3105,12 +3105,12 @@ def skinny_matmul_triton(
         raise ValueError(
             f"skinny_matmul_triton has {SKINNY_TICKETS} split-K ticket counters, fewer than {num_tiles} tiles"
         )
-    num_out = 0 if build_only else 1  # a zero-size tensor's data pointer is null: aligned, as a fresh one's
-    out_MN = torch.empty(num_out * M, N, dtype=x2d_MK.dtype, device=x2d_MK.device)
+    out_rows = 0 if build_only else M  # a zero-size tensor's data pointer is null: aligned, as a fresh one's
+    out_MN = torch.empty(out_rows, N, dtype=x2d_MK.dtype, device=x2d_MK.device)
     # partials_SMN: [split_k, M, N] fp32; without split-K neither it nor the counters are used
     partials_SMN, tickets = out_MN, out_MN
     if config.split_k > 1:
-        partials_SMN = torch.empty(config.split_k, num_out * M, N, dtype=torch.float32, device=x2d_MK.device)
+        partials_SMN = torch.empty(config.split_k, out_rows, N, dtype=torch.float32, device=x2d_MK.device)
         tickets = skinny_tickets(x2d_MK.device)
     use_pdl = is_programmatic_launch_on(x2d_MK.device)
     line_elems = 128 // x2d_MK.element_size()
